@@ -1,0 +1,56 @@
+"""Every retry, timeout and limiter default in one place (as openai-python's _constants.py)."""
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+DEFAULT_MODEL = "gpt-4o-mini"
+
+DEFAULT_MAX_CONCURRENCY = 64
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+DEFAULT_MAX_ATTEMPTS = 6
+# Reserved for the answer when a request sets neither max_tokens nor max_completion_tokens.
+DEFAULT_MAX_TOKENS = 256
+
+# Backoff between attempts, as openai-python: 0.5 s doubling to 8 s, up to 25 % jitter.
+INITIAL_RETRY_DELAY_S = 0.5
+MAX_RETRY_DELAY_S = 8.0
+RETRY_JITTER = 0.25
+# A server hint (retry-after-ms / retry-after) is honoured when it is within this bound.
+MAX_SERVER_HINT_S = 60.0
+
+# Limiter: burst allowance in seconds of the limit (never a full minute), fair-share lease life,
+# adaptive slow-down on 429s that got through anyway.
+DEFAULT_BURST_S = 0.5
+LEASE_TTL_MS = 15_000
+ADAPT_DECREASE = 0.7
+ADAPT_RECOVERY_PER_S = 0.05
+ADAPT_MIN_FACTOR = 0.1
+ADAPT_COOLDOWN_MS = 1_000
+# How long a limiter call waits out an unreachable Redis before the request fails.
+LIMITER_OUTAGE_S = 60.0
+
+# Requests rejected with these errors, this many times in a row, abort the batch.
+FATAL_ERROR_THRESHOLD = 3
+
+# Context windows (tokens) of well-known models; override with LLMResource.context_window.
+CONTEXT_WINDOWS = {
+    "gpt-5": 400_000,
+    "gpt-4.1": 1_047_576,
+    "gpt-4o": 128_000,
+    "gpt-4-turbo": 128_000,
+    "gpt-4": 8_192,
+    "gpt-3.5-turbo": 16_385,
+    "o1": 200_000,
+    "o3": 200_000,
+    "o4-mini": 200_000,
+    "gemini-2.5": 1_048_576,
+    "gemini-2.0": 1_048_576,
+    "gemini-1.5": 1_048_576,
+}
+
+
+def context_window_for(model: str) -> int | None:
+    """Longest known prefix match, so that dated snapshots (gpt-4o-2024-08-06) resolve."""
+    best = None
+    for prefix in CONTEXT_WINDOWS:
+        if model.startswith(prefix) and (best is None or len(prefix) > len(best)):
+            best = prefix
+    return CONTEXT_WINDOWS[best] if best else None

@@ -1,0 +1,92 @@
+"""Error classes of the engine, and the one place that maps HTTP statuses to them."""
+
+from __future__ import annotations
+
+import re
+
+import dagster as dg
+
+# Error codes written to result records (`error_class`), one per failure kind.
+EMPTY_PROMPT = "empty_prompt"
+CONTEXT_LENGTH = "context_length"
+DEADLINE_EXCEEDED = "deadline_exceeded"
+RATE_LIMITED = "rate_limited"
+SERVER_ERROR = "server_error"
+TIMEOUT = "timeout"
+CONNECTION_ERROR = "connection_error"
+MALFORMED_RESPONSE = "malformed_response"
+BAD_REQUEST = "bad_request"
+AUTHENTICATION = "authentication"
+PERMISSION_DENIED = "permission_denied"
+NOT_FOUND = "not_found"
+CONFLICT = "conflict"
+UNPROCESSABLE = "unprocessable"
+LIMITER_UNAVAILABLE = "limiter_unavailable"
+ABORTED = "aborted"
+
+_STATUS_CLASSES = {
+    400: BAD_REQUEST,
+    401: AUTHENTICATION,
+    403: PERMISSION_DENIED,
+    404: NOT_FOUND,
+    408: TIMEOUT,
+    409: CONFLICT,
+    422: UNPROCESSABLE,
+    429: RATE_LIMITED,
+}
+# Errors that say every further request will fail the same way: they trip the batch's breaker.
+FATAL_CLASSES = frozenset({AUTHENTICATION, PERMISSION_DENIED, NOT_FOUND})
+
+
+class BatchLLMError(dg.Failure):
+    """Base class of the errors this library raises into Dagster."""
+
+
+class LimiterUnavailableError(BatchLLMError):
+    """The Redis server behind the limiter could not be reached in time."""
+
+
+class ProviderError(Exception):
+    """A failed attempt: HTTP status (None for transport faults), error class, retry hint."""
+
+    def __init__(
+        self,
+        error_class: str,
+        message: str,
+        *,
+        status: int | None = None,
+        retryable: bool = False,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+        self.message = message
+        self.status = status
+        self.retryable = retryable
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+
+
+def classify_status(status: int, code: str | None, headers: dict[str, str]) -> tuple[str, bool]:
+    """(error class, retryable) for an HTTP error. An explicit x-should-retry header wins."""
+    if code == "context_length_exceeded":
+        return CONTEXT_LENGTH, False
+    error_class = _STATUS_CLASSES.get(status) or (SERVER_ERROR if status >= 500 else BAD_REQUEST)
+    hint = headers.get("x-should-retry")
+    if hint in ("true", "false"):
+        return error_class, hint == "true"
+    return error_class, status in (408, 409, 429) or status >= 500
+
+
+_KEY_LIKE = re.compile(r"\b(sk|key|api[-_]?key)[-_][A-Za-z0-9_\-*.]{6,}", re.IGNORECASE)
+_BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
+
+
+def redact(text: str, *secrets: str | None) -> str:
+    """Remove secrets, key-like tokens and bearer credentials from text bound for logs or tables."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    text = _BEARER.sub(r"\1***", text)
+    return _KEY_LIKE.sub(lambda m: m.group(1) + "-***", text)

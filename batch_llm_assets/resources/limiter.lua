@@ -1,0 +1,178 @@
+-- Shared rate limiter: requests/min and tokens/min in one atomic call, on Redis server time.
+--
+-- GCRA in "schedule ahead" form: each dimension keeps a theoretical arrival time (TAT, ms).
+-- An acquire is granted a send time s = max(now, TAT - burst) over both dimensions, the TATs
+-- advance by the request's emission interval, and the caller sleeps (s - now) once.
+-- Over any window W the sends sum to at most rate * (W + burst) + one request.
+--
+-- Fair share: every job holds a lease (weight, expiry). While the shared bucket is saturated,
+-- a job also runs its own GCRA at rate * weight / sum(active weights); a job ahead of its share
+-- is deferred: it gets a ticket (its own slot is reserved) and a wait, and then acquires again
+-- with the ticket, taking the next shared slot. When not saturated any job may use the slack.
+--
+-- Adaptive: a 429 that got through multiplies the rate by `decrease` (once per cooldown) and
+-- the rate recovers additively; a server hint pauses everyone until it has passed.
+--
+-- KEYS: 1 state hash, 2 leases zset, 3 weights hash, 4 this job's hash
+-- ARGV: 1 op (acquire | reconcile | penalize | release), 2 job, 3 rpm, 4 tpm, 5 burst_ms,
+--       6 lease_ms, 7 weight, 8 decrease, 9 recovery_per_s, 10 min_factor, 11 cooldown_ms,
+--       12 tokens, 13 ticket (acquire) | requests delta (reconcile) | retry_after_ms (penalize)
+-- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs}
+
+pcall(redis.replicate_commands)
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+
+local op = ARGV[1]
+local job = ARGV[2]
+local rpm = tonumber(ARGV[3])
+local tpm = tonumber(ARGV[4])
+local burst = tonumber(ARGV[5])
+local lease_ms = tonumber(ARGV[6])
+local weight = tonumber(ARGV[7])
+local decrease = tonumber(ARGV[8])
+local recovery = tonumber(ARGV[9])
+local min_factor = tonumber(ARGV[10])
+local cooldown = tonumber(ARGV[11])
+local tokens = tonumber(ARGV[12])
+local extra = tonumber(ARGV[13])
+
+local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec')
+local tr = tonumber(st[1]) or 0
+local tt = tonumber(st[2]) or 0
+local f0 = tonumber(st[3]) or 1
+local ft = tonumber(st[4]) or now
+local pause = tonumber(st[5]) or 0
+local dec = tonumber(st[6]) or 0
+
+local factor = math.min(1, f0 + recovery * (now - ft) / 1000)
+-- Emission rates per ms; 0 means the dimension is not limited.
+local rr = rpm * factor / 60000
+local rt = tpm * factor / 60000
+
+local function keep(key, horizon)
+  redis.call('PEXPIRE', key, math.ceil(math.max(horizon - now, 0) + 60000 + lease_ms))
+end
+
+local function save_state()
+  redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec)
+  keep(KEYS[1], math.max(tr, tt, pause))
+end
+
+-- Active jobs and this job's share of the weights.
+local function share_of()
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+    redis.call('HDEL', KEYS[3], unpack(expired))
+  end
+  local members = redis.call('ZRANGE', KEYS[2], 0, -1)
+  local total = 0
+  if #members > 0 then
+    local ws = redis.call('HMGET', KEYS[3], unpack(members))
+    for i = 1, #ws do total = total + (tonumber(ws[i]) or 0) end
+  end
+  if total <= 0 then return 1, #members end
+  return math.min(1, weight / total), #members
+end
+
+-- Move a TAT by a signed amount of ms: a charge pushes it on, a refund never pulls it before now.
+local function adjust(tat, delta)
+  if delta >= 0 then return math.max(tat, now) + delta end
+  if tat <= now then return tat end
+  return math.max(tat + delta, now)
+end
+
+if op == 'release' then
+  redis.call('ZREM', KEYS[2], job)
+  redis.call('HDEL', KEYS[3], job)
+  return {1, 0, 0, 0, 0}
+end
+
+if op == 'reconcile' then
+  local share = tonumber(redis.call('HGET', KEYS[4], 'share')) or 1
+  local jt = redis.call('HMGET', KEYS[4], 'tr', 'tt')
+  local jtr = tonumber(jt[1]) or 0
+  local jtt = tonumber(jt[2]) or 0
+  if rt > 0 and tokens ~= 0 then
+    tt = adjust(tt, tokens / rt)
+    jtt = adjust(jtt, tokens / (rt * share))
+  end
+  if rr > 0 and extra ~= 0 then
+    tr = adjust(tr, extra / rr)
+    jtr = adjust(jtr, extra / (rr * share))
+  end
+  save_state()
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt)
+  end
+  return {1, 0, math.floor(factor * 1e6), math.floor(share * 1e6), 0}
+end
+
+if op == 'penalize' then
+  if now - dec >= cooldown then
+    f0 = math.max(min_factor, factor * decrease)
+    ft = now
+    dec = now
+  end
+  if extra > 0 then pause = math.max(pause, now + extra) end
+  -- The rejected request was not admitted: give its reservation back.
+  if rt > 0 and tokens > 0 then tt = adjust(tt, -tokens / rt) end
+  if rr > 0 then tr = adjust(tr, -1 / rr) end
+  save_state()
+  return {1, 0, math.floor(f0 * 1e6), 0, 0}
+end
+
+-- acquire
+redis.call('ZADD', KEYS[2], now + lease_ms, job)
+redis.call('HSET', KEYS[3], job, weight)
+redis.call('PEXPIRE', KEYS[2], lease_ms * 4)
+redis.call('PEXPIRE', KEYS[3], lease_ms * 4)
+local share, active = share_of()
+
+local s = math.max(now, pause)
+local cr, ct = 0, 0
+if rr > 0 then
+  cr = 1 / rr
+  s = math.max(s, tr - burst)
+end
+if rt > 0 then
+  ct = tokens / rt
+  s = math.max(s, tt - burst)
+end
+
+if share < 1 and extra == 0 then
+  local jt = redis.call('HMGET', KEYS[4], 'tr', 'tt')
+  local jtr = tonumber(jt[1]) or 0
+  local jtt = tonumber(jt[2]) or 0
+  local jcr, jct = cr / share, ct / share
+  if s > now then
+    -- Saturated: hold the job to its weighted share.
+    local js = now
+    if rr > 0 then js = math.max(js, jtr - burst) end
+    if rt > 0 then js = math.max(js, jtt - burst) end
+    if js > now then
+      jtr = math.max(jtr, js) + jcr
+      jtt = math.max(jtt, js) + jct
+      redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt, 'share', share)
+      keep(KEYS[4], math.max(jtr, jtt))
+      return {0, math.ceil((js - now) * 1000), math.floor(factor * 1e6),
+              math.floor(share * 1e6), active}
+    end
+  end
+  jtr = math.max(jtr, now) + jcr
+  jtt = math.max(jtt, now) + jct
+  if s <= now then
+    -- Slack used while nobody waits is forgiven beyond one burst.
+    jtr = math.min(jtr, now + burst)
+    jtt = math.min(jtt, now + burst)
+  end
+  redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt, 'share', share)
+  keep(KEYS[4], math.max(jtr, jtt))
+end
+
+if rr > 0 then tr = math.max(tr, s) + cr end
+if rt > 0 then tt = math.max(tt, s) + ct end
+save_state()
+return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active}

@@ -1,0 +1,216 @@
+"""LLMResource: any OpenAI-compatible endpoint behind a shared Redis limiter, with retries."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any, Literal
+
+import dagster as dg
+import redis.asyncio as aioredis
+from pydantic import Field, PrivateAttr, field_validator
+
+from . import _constants as C
+from .engine import ChatRequest, ChatResult, Engine, EngineSettings
+from .limiter import LimiterSettings, RedisLimiter, limiter_namespace
+from .transport import TRANSPORTS
+from .valkey import EmbeddedValkey
+
+log = logging.getLogger(__name__)
+
+
+class LLMResource(dg.ConfigurableResource):
+    """Chat completions for many rows at once, just under the provider's limits.
+
+    Every process that uses the same base_url + model + api_key shares one limit through Redis;
+    jobs with different `job_key`s share it by `job_weight` while it is saturated.
+    """
+
+    base_url: str = Field(
+        default=C.DEFAULT_BASE_URL,
+        description="OpenAI-compatible endpoint up to /v1 (OpenAI, vLLM, Ollama, llama.cpp "
+        "server, the simulator), or the Azure OpenAI resource endpoint when api_version is set.",
+    )
+    api_key: str = Field(
+        default="",
+        description="API key. Set it with dg.EnvVar('OPENAI_API_KEY'); it is never logged, never "
+        "written to metadata, and redacted from error messages.",
+    )
+    api_version: str | None = Field(
+        default=None,
+        description="Azure OpenAI API version (e.g. 2024-10-21). When set, `model` names the "
+        "deployment and the key is sent as the api-key header.",
+    )
+    model: str = Field(default=C.DEFAULT_MODEL, description="Model (or Azure deployment) name.")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Default request parameters (temperature, max_tokens, seed, "
+        "response_format, ...); a request's own params override them.",
+    )
+    max_concurrency: int = Field(
+        default=C.DEFAULT_MAX_CONCURRENCY, ge=1, description="Requests in flight per process."
+    )
+    request_timeout_s: float = Field(
+        default=C.DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="Timeout of one HTTP attempt."
+    )
+    max_attempts: int = Field(
+        default=C.DEFAULT_MAX_ATTEMPTS, ge=1, description="Attempts per request, first included."
+    )
+    deadline_s: float | None = Field(
+        default=None,
+        description="Per-request deadline from its start; past it a request fails with "
+        "deadline_exceeded and is not sent again. None: bounded by max_attempts only.",
+    )
+    rpm: int | None = Field(
+        default=None, ge=1, description="Requests/min of the key for this model. None: no limit."
+    )
+    tpm: int | None = Field(
+        default=None, ge=1, description="Tokens/min of the key for this model. None: no limit."
+    )
+    burst_s: float = Field(
+        default=C.DEFAULT_BURST_S,
+        gt=0,
+        le=10,
+        description="Burst allowance in seconds of the limit (keep it below the provider's own).",
+    )
+    refund_unused_completion: bool = Field(
+        default=False,
+        description="Refund max_tokens minus the completion tokens after each answer. Off by "
+        "default because OpenAI and most gateways count max_tokens at admission.",
+    )
+    default_max_tokens: int = Field(
+        default=C.DEFAULT_MAX_TOKENS,
+        ge=1,
+        description="Answer budget reserved (and sent as max_tokens) when params set none.",
+    )
+    context_window: int | None = Field(
+        default=None,
+        description="Context window of the model in tokens; None: known models' table. "
+        "Requests over it fail with context_length without being sent.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis/Valkey URL for the shared limiter (redis://, rediss://, unix://). "
+        "None: a private embedded Valkey is started and stopped with the resource.",
+    )
+    job_key: str = Field(
+        default="default",
+        description="Name of this job for fair sharing; processes with the same key share one "
+        "share.",
+    )
+    job_weight: float = Field(default=1.0, gt=0, description="Weight of this job's fair share.")
+    transport: Literal["aiohttp", "openai"] = Field(
+        default="aiohttp",
+        description="HTTP path: 'aiohttp' (lean, fastest) or 'openai' (the openai SDK).",
+    )
+    fatal_error_threshold: int = Field(
+        default=C.FATAL_ERROR_THRESHOLD,
+        ge=1,
+        description="Stop sending after this many 401/403/404 answers in a row.",
+    )
+
+    _valkey: EmbeddedValkey | None = PrivateAttr(default=None)
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {v!r}")
+        return v
+
+    def __repr_args__(self):  # keep the key out of reprs, logs and tracebacks
+        for name, value in super().__repr_args__():
+            yield name, ("***" if name == "api_key" and value else value)
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.rpm or self.tpm)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self.start()
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the embedded Valkey when limits are set and no redis_url is given."""
+        if self.limited and self.redis_url is None and self._valkey is None:
+            self._valkey = EmbeddedValkey().start()
+
+    def stop(self) -> None:
+        if self._valkey is not None:
+            self._valkey.stop()
+            self._valkey = None
+
+    def __enter__(self) -> LLMResource:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def effective_redis_url(self) -> str | None:
+        if self.redis_url:
+            return self.redis_url
+        return self._valkey.url if self._valkey else None
+
+    # -- use -------------------------------------------------------------------------------
+    def engine_settings(self) -> EngineSettings:
+        return EngineSettings(
+            model=self.model,
+            params=dict(self.params),
+            max_concurrency=self.max_concurrency,
+            request_timeout_s=self.request_timeout_s,
+            max_attempts=self.max_attempts,
+            deadline_s=self.deadline_s,
+            default_max_tokens=self.default_max_tokens,
+            context_window=self.context_window or C.context_window_for(self.model),
+            refund_unused_completion=self.refund_unused_completion,
+            fatal_error_threshold=self.fatal_error_threshold,
+            secret=self.api_key,
+        )
+
+    @contextlib.asynccontextmanager
+    async def engine(self) -> AsyncIterator[Engine]:
+        """An engine bound to the running event loop; closes its connections on exit."""
+        transport = TRANSPORTS[self.transport](
+            base_url=self.base_url,
+            api_key=self.api_key,
+            api_version=self.api_version,
+            model=self.model,
+            max_connections=self.max_concurrency,
+        )
+        client = None
+        limiter = None
+        if self.limited:
+            if self.effective_redis_url is None:
+                self.start()
+            client = aioredis.Redis.from_url(
+                self.effective_redis_url, socket_timeout=5, socket_connect_timeout=5
+            )
+            limiter = RedisLimiter(
+                client,
+                namespace=limiter_namespace(self.base_url, self.model, self.api_key),
+                settings=LimiterSettings(rpm=self.rpm, tpm=self.tpm, burst_s=self.burst_s),
+                job=self.job_key,
+                weight=self.job_weight,
+            )
+        try:
+            yield Engine(self.engine_settings(), transport, limiter)
+        finally:
+            if limiter is not None:
+                await limiter.release()
+            if client is not None:
+                await client.aclose()
+            await transport.aclose()
+
+    async def chat_batch(
+        self, requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest]
+    ) -> AsyncIterator[ChatResult]:
+        """Yield one ChatResult per request, in completion order."""
+        async with self.engine() as engine:
+            async for result in engine.map(requests):
+                yield result

@@ -1,0 +1,80 @@
+"""Token estimation before sending, counted the way OpenAI counts chat prompts."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import tiktoken
+
+log = logging.getLogger(__name__)
+
+# OpenAI's accounting for chat messages: each message costs 3 tokens on top of its content,
+# a `name` costs 1 more, and the reply is primed with 3 tokens.
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+REPLY_PRIMING = 3
+_FALLBACK_ENCODINGS = ("o200k_base", "cl100k_base")
+
+
+@functools.lru_cache(maxsize=32)
+def encoding_for(model: str) -> tiktoken.Encoding | None:
+    """tiktoken's encoding for the model, else o200k_base, else cl100k_base, else None.
+
+    tiktoken fetches its files on first use (or reads TIKTOKEN_CACHE_DIR); when none can be
+    loaded the caller falls back to a conservative character count, with one warning.
+    """
+    names: list[str] = []
+    try:
+        names.append(tiktoken.encoding_name_for_model(model))
+    except KeyError:
+        pass
+    names.extend(n for n in _FALLBACK_ENCODINGS if n not in names)
+    for name in names:
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as exc:  # download refused, file missing or corrupt
+            log.debug("tiktoken encoding %s unavailable: %s", name, exc)
+    log.warning(
+        "No tiktoken encoding could be loaded for model %r (set TIKTOKEN_CACHE_DIR to a folder "
+        "holding the encoding files); estimating tokens from characters, conservatively.",
+        model,
+    )
+    return None
+
+
+def count_text_tokens(text: str, model: str) -> int:
+    enc = encoding_for(model)
+    if enc is None:
+        # Overestimates: at most 3 UTF-8 bytes per token holds for English, code and CJK.
+        return math.ceil(len(text.encode("utf-8", "surrogatepass")) / 3)
+    return len(enc.encode(text, disallowed_special=()))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part content: count the text parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def count_prompt_tokens(messages: Sequence[dict[str, Any]], model: str) -> int:
+    """Prompt tokens of a chat request as OpenAI bills them."""
+    total = REPLY_PRIMING
+    for message in messages:
+        total += TOKENS_PER_MESSAGE
+        total += count_text_tokens(message.get("role", ""), model)
+        total += count_text_tokens(_content_text(message.get("content")), model)
+        if message.get("name"):
+            total += TOKENS_PER_NAME + count_text_tokens(message["name"], model)
+    return total
+
+
+def requested_max_tokens(params: dict[str, Any], default: int) -> int:
+    """The answer budget a request reserves: max_completion_tokens, max_tokens, or the default."""
+    value = params.get("max_completion_tokens") or params.get("max_tokens")
+    return int(value) if value else default

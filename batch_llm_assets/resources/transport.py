@@ -1,0 +1,235 @@
+"""HTTP transports for chat completions: a lean aiohttp path and the openai SDK.
+
+Both return a `ChatResponse` or raise `ProviderError`, so the engine above them is the same.
+The aiohttp path exists because the SDK's per-request cost (httpx, pydantic models) dominates
+at hundreds of requests per second on a small machine (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from . import _constants as C
+from .errors import (
+    CONNECTION_ERROR,
+    MALFORMED_RESPONSE,
+    TIMEOUT,
+    ProviderError,
+    classify_status,
+    redact,
+)
+
+
+@dataclass(slots=True)
+class ChatResponse:
+    content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    headers: dict[str, str]
+
+
+class ChatTransport(Protocol):
+    async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+def parse_retry_after(headers: dict[str, str]) -> float | None:
+    """Server hint in seconds: retry-after-ms, then retry-after (seconds or an HTTP date)."""
+    value = headers.get("retry-after-ms")
+    if value:
+        try:
+            return float(value) / 1000
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value:
+        try:
+            return float(value)
+        except ValueError:
+            parsed = email.utils.parsedate_to_datetime(value) if value else None
+            if parsed is not None:
+                return max(0.0, parsed.timestamp() - time.time())
+    return None
+
+
+def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
+    """The fields the engine needs from a chat.completion body; anything else is malformed."""
+    try:
+        choice = payload["choices"][0]
+        usage = payload.get("usage") or {}
+        return ChatResponse(
+            content=(choice.get("message") or {}).get("content"),
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            headers=headers,
+        )
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise ProviderError(
+            MALFORMED_RESPONSE, f"unexpected response body: {exc!r}", status=200, retryable=True
+        ) from exc
+
+
+def error_from_body(status: int, text: str, headers: dict[str, str], secret: str) -> ProviderError:
+    """OpenAI's error JSON ({"error": {"message", "type", "code"}}) or raw text, redacted."""
+    code = None
+    message = text[:500]
+    try:
+        err = json.loads(text).get("error") or {}
+        if isinstance(err, dict):
+            code = err.get("code")
+            message = err.get("message") or message
+    except (ValueError, AttributeError):
+        pass
+    error_class, retryable = classify_status(status, code, headers)
+    return ProviderError(
+        error_class,
+        redact(f"HTTP {status}: {message}", secret),
+        status=status,
+        retryable=retryable,
+        retry_after_s=parse_retry_after(headers),
+        headers=headers,
+    )
+
+
+class AiohttpTransport:
+    """POST /chat/completions over one pooled aiohttp session (OpenAI or Azure URL forms)."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str,
+        api_version: str | None = None,
+        model: str,
+        max_connections: int = C.DEFAULT_MAX_CONCURRENCY,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
+        self._secret = api_key
+        base = base_url.rstrip("/")
+        if api_version:  # Azure OpenAI: the model names the deployment
+            self._url = f"{base}/openai/deployments/{model}/chat/completions"
+            self._params = {"api-version": api_version}
+            auth = {"api-key": api_key}
+        else:
+            self._url = f"{base}/chat/completions"
+            self._params = None
+            auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Content-Type": "application/json", **auth, **(extra_headers or {})}
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, raise_for_status=False
+            )
+        return self._session
+
+    async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse:
+        session = self._get_session()
+        try:
+            async with session.post(
+                self._url,
+                data=json.dumps(body),
+                params=self._params,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                text = await resp.text(errors="replace")
+                headers = {k.lower(): v for k, v in resp.headers.items()}
+                status = resp.status
+        except TimeoutError as exc:
+            raise ProviderError(
+                TIMEOUT, f"no answer within {timeout:.1f} s", retryable=True
+            ) from exc
+        except aiohttp.ClientError as exc:
+            message = redact(f"{type(exc).__name__}: {exc}", self._secret)
+            raise ProviderError(CONNECTION_ERROR, message, retryable=True) from exc
+        if status >= 400:
+            raise error_from_body(status, text, headers, self._secret)
+        try:
+            payload = json.loads(text)
+        except ValueError as exc:
+            raise ProviderError(
+                MALFORMED_RESPONSE,
+                f"response is not JSON ({len(text)} bytes)",
+                status=status,
+                retryable=True,
+            ) from exc
+        return parse_completion(payload, headers)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class OpenAISDKTransport:
+    """The openai SDK (AsyncOpenAI / AsyncAzureOpenAI) with its own retries off."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str,
+        api_version: str | None = None,
+        model: str,
+        max_connections: int = C.DEFAULT_MAX_CONCURRENCY,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
+        import openai
+
+        self._openai = openai
+        self._secret = api_key
+        common = {
+            "api_key": api_key or "none",
+            "max_retries": 0,  # the engine owns retries
+            "default_headers": extra_headers,
+        }
+        if api_version:
+            self._client = openai.AsyncAzureOpenAI(
+                azure_endpoint=base_url, api_version=api_version, **common
+            )
+        else:
+            self._client = openai.AsyncOpenAI(base_url=base_url, **common)
+
+    async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse:
+        openai = self._openai
+        try:
+            raw = await self._client.chat.completions.with_raw_response.create(
+                **body, timeout=timeout
+            )
+            headers = {k.lower(): v for k, v in raw.headers.items()}
+            payload = json.loads(raw.text)
+        except openai.APITimeoutError as exc:
+            raise ProviderError(
+                TIMEOUT, f"no answer within {timeout:.1f} s", retryable=True
+            ) from exc
+        except openai.APIConnectionError as exc:
+            message = redact(f"{type(exc).__name__}: {exc}", self._secret)
+            raise ProviderError(CONNECTION_ERROR, message, retryable=True) from exc
+        except openai.APIStatusError as exc:
+            headers = {k.lower(): v for k, v in exc.response.headers.items()}
+            raise error_from_body(
+                exc.status_code, exc.response.text, headers, self._secret
+            ) from None
+        except ValueError as exc:
+            raise ProviderError(
+                MALFORMED_RESPONSE, "response is not JSON", status=200, retryable=True
+            ) from exc
+        return parse_completion(payload, headers)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+TRANSPORTS = {"aiohttp": AiohttpTransport, "openai": OpenAISDKTransport}

@@ -1,0 +1,459 @@
+"""An OpenAI-compatible provider simulator with exact rate limits, OpenAI's 429s, and faults.
+
+It is the demo's default provider and the ground truth of the tests and benchmarks: GET /stats
+says what it admitted, per second, and how many requests it refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import random
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from ..resources.tokens import count_prompt_tokens, count_text_tokens, encoding_for
+
+_WORDS = [
+    "the",
+    "market",
+    "price",
+    "rose",
+    "after",
+    "strong",
+    "earnings",
+    "while",
+    "analysts",
+    "expect",
+    "growth",
+    "in",
+    "demand",
+    "and",
+    "the",
+    "company",
+    "said",
+    "revenue",
+    "fell",
+    "as",
+    "costs",
+    "increased",
+    "but",
+    "investors",
+    "remain",
+    "calm",
+    "about",
+    "risk",
+    "shares",
+    "bank",
+    "rate",
+    "policy",
+    "trade",
+    "oil",
+    "data",
+    "report",
+    "quarter",
+    "profit",
+    "loss",
+    "outlook",
+]
+
+
+@dataclass
+class SimConfig:
+    """Everything the simulator does, changeable at run time through POST /admin/config."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    bucket_s: float = 1.0  # capacity of each bucket, in seconds of its limit
+    latency_ms: float = 20.0
+    latency_per_token_ms: float = 0.2
+    jitter: float = 0.2
+    fail_500: float = 0.0
+    fail_503: float = 0.0
+    hang: float = 0.0
+    hang_s: float = 600.0
+    malformed: float = 0.0
+    drop: float = 0.0
+    api_key: str | None = None
+    models: dict[str, int] = field(
+        default_factory=lambda: {"sim-1": 16_384, "gpt-4o-mini": 128_000}
+    )
+    default_max_tokens: int = 16
+    max_answer_tokens: int = 48
+    seed: int = 0
+
+
+class Bucket:
+    """Token bucket refilled continuously at limit/60 per second, holding bucket_s of the limit."""
+
+    def __init__(self, per_min: int, bucket_s: float) -> None:
+        self.rate = per_min / 60.0
+        self.capacity = max(1.0, self.rate * bucket_s)
+        self.level = self.capacity
+        self.last = time.monotonic()
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.last) * self.rate)
+        self.last = now
+
+    def wait_for(self, cost: float, now: float) -> float:
+        """0 if `cost` can be taken now, else seconds until it can."""
+        self._refill(now)
+        # A request larger than the whole bucket is admitted when the bucket is full (then owed).
+        if min(cost, self.capacity) <= self.level:
+            return 0.0
+        return (min(cost, self.capacity) - self.level) / self.rate
+
+    def take(self, cost: float) -> None:
+        self.level -= cost
+
+    def reset_s(self) -> float:
+        return (self.capacity - self.level) / self.rate
+
+
+def openai_duration(seconds: float) -> str:
+    """OpenAI's x-ratelimit-reset-* format: 12ms, 1.5s, 6m0s."""
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60)
+    rest_s = f"{rest:.3f}".rstrip("0").rstrip(".")
+    return f"{int(minutes)}m{rest_s}s" if minutes else f"{rest_s}s"
+
+
+def _error(status: int, message: str, type_: str, code: str | None, headers=None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class Simulator:
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        for model in self.config.models:
+            encoding_for(model)  # loading an encoding takes ~1 s: not inside the first request
+        self.reset()
+
+    def reset(self) -> None:
+        cfg = self.config
+        self.rng = random.Random(cfg.seed)
+        self.req_bucket = Bucket(cfg.rpm, cfg.bucket_s) if cfg.rpm else None
+        self.tok_bucket = Bucket(cfg.tpm, cfg.bucket_s) if cfg.tpm else None
+        self.counts: Counter[str] = Counter()
+        self.per_second: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.prompts: Counter[str] = Counter()
+        self.started = time.time()
+
+    # -- HTTP ------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/openai/deployments/{deployment}/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/stats", self.stats)
+        app.router.add_post("/admin/config", self.set_config)
+        app.router.add_post("/admin/reset", self.admin_reset)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": m, "object": "model", "owned_by": "simulator", "max_model_len": n}
+            for m, n in self.config.models.items()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        series = [
+            {"t": t, "requests": v[0], "tokens": v[1], "rate_limited": v[2]}
+            for t, v in sorted(self.per_second.items())
+        ]
+        body = {
+            **self.counts,
+            "config": dataclasses.asdict(self.config) | {"api_key": None},
+            "series": series,
+            "distinct_prompts": len(self.prompts),
+            "resent_prompts": sum(n - 1 for n in self.prompts.values() if n > 1),
+        }
+        return web.json_response(body)
+
+    async def set_config(self, request: web.Request) -> web.Response:
+        updates = await request.json()
+        unknown = set(updates) - {f.name for f in dataclasses.fields(SimConfig)}
+        if unknown:
+            return _error(
+                400, f"unknown settings: {sorted(unknown)}", "invalid_request_error", None
+            )
+        self.config = dataclasses.replace(self.config, **updates)
+        if {"rpm", "tpm", "bucket_s", "seed"} & set(updates):
+            self.reset()
+        return web.json_response({"ok": True})
+
+    async def admin_reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return web.json_response({"ok": True})
+
+    def _auth_error(self, request: web.Request) -> web.Response | None:
+        want = self.config.api_key
+        if not want:
+            return None
+        got = request.headers.get("api-key") or request.headers.get("Authorization", "")
+        got = got.removeprefix("Bearer ").strip()
+        if got == want:
+            return None
+        masked = f"{got[:3]}{'*' * 4}{got[-2:]}" if len(got) > 6 else "***"
+        # Like OpenAI, the message echoes a masked key: the client must not log even that.
+        return _error(
+            401,
+            f"Incorrect API key provided: {masked}. You can find your API key in your account.",
+            "invalid_request_error",
+            "invalid_api_key",
+        )
+
+    def _limit_headers(self) -> dict[str, str]:
+        h: dict[str, str] = {}
+        for name, bucket, per_min in (
+            ("requests", self.req_bucket, self.config.rpm),
+            ("tokens", self.tok_bucket, self.config.tpm),
+        ):
+            if bucket is not None:
+                h[f"x-ratelimit-limit-{name}"] = str(per_min)
+                h[f"x-ratelimit-remaining-{name}"] = str(max(0, int(bucket.level)))
+                h[f"x-ratelimit-reset-{name}"] = openai_duration(bucket.reset_s())
+        return h
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.counts["received"] += 1
+        denied = self._auth_error(request)
+        if denied is not None:
+            self.counts["unauthorized"] += 1
+            return denied
+        try:
+            body = await request.json()
+            messages = body["messages"]
+            model = request.match_info.get("deployment") or body["model"]
+        except (ValueError, KeyError, TypeError):
+            return _error(
+                400,
+                "request body must be JSON with model and messages",
+                "invalid_request_error",
+                None,
+            )
+        cfg = self.config
+        if model not in cfg.models:
+            self.counts["not_found"] += 1
+            return _error(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        prompt_tokens = count_prompt_tokens(messages, model)
+        max_tokens = int(
+            body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
+        )
+        window = cfg.models[model]
+        if prompt_tokens + max_tokens > window:
+            self.counts["context_length"] += 1
+            return _error(
+                400,
+                f"This model's maximum context length is {window} tokens. However, "
+                f"you requested {prompt_tokens + max_tokens} tokens.",
+                "invalid_request_error",
+                "context_length_exceeded",
+            )
+
+        cost = prompt_tokens + max_tokens
+        now = time.monotonic()
+        waits = [
+            b.wait_for(c, now)
+            for b, c in ((self.req_bucket, 1), (self.tok_bucket, cost))
+            if b is not None
+        ]
+        second = int(time.time())
+        if any(waits):
+            self.counts["rate_limited"] += 1
+            self.per_second[second][2] += 1
+            wait = max(waits)
+            which = (
+                "tokens" if self.tok_bucket and self.tok_bucket.wait_for(cost, now) else "requests"
+            )
+            headers = self._limit_headers() | {
+                "retry-after-ms": str(max(1, round(wait * 1000))),
+                "retry-after": str(max(1, round(wait))),
+            }
+            return _error(
+                429,
+                f"Rate limit reached for {model} on {which} per min. Please try "
+                f"again in {openai_duration(wait)}.",
+                which,
+                "rate_limit_exceeded",
+                headers,
+            )
+        for b, c in ((self.req_bucket, 1), (self.tok_bucket, cost)):
+            if b is not None:
+                b.take(c)
+        self.counts["admitted_requests"] += 1
+        self.counts["admitted_tokens"] += cost
+        self.per_second[second][0] += 1
+        self.per_second[second][1] += cost
+        headers = self._limit_headers()
+
+        fault = self._draw_fault()
+        if fault:
+            self.counts[f"fault_{fault}"] += 1
+            return await self._fault(request, fault, headers)
+
+        content, completion_tokens, finish = self._answer(messages, model, max_tokens)
+        jitter = 1 + cfg.jitter * (2 * self.rng.random() - 1)
+        delay = (cfg.latency_ms + cfg.latency_per_token_ms * completion_tokens) * jitter / 1000
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.counts["answered"] += 1
+        self.counts["completion_tokens"] += completion_tokens
+        self.prompts[_digest(messages)] += 1
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{self.counts['answered']}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": finish,
+                        "logprobs": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            },
+            headers=headers,
+        )
+
+    def _draw_fault(self) -> str | None:
+        cfg = self.config
+        x = self.rng.random()
+        for name, p in (
+            ("500", cfg.fail_500),
+            ("503", cfg.fail_503),
+            ("hang", cfg.hang),
+            ("malformed", cfg.malformed),
+            ("drop", cfg.drop),
+        ):
+            if x < p:
+                return name
+            x -= p
+        return None
+
+    async def _fault(self, request: web.Request, fault: str, headers: dict[str, str]):
+        if fault == "500":
+            return _error(
+                500,
+                "The server had an error while processing your request.",
+                "server_error",
+                None,
+                headers,
+            )
+        if fault == "503":
+            return _error(
+                503,
+                "The engine is currently overloaded, please try again later.",
+                "server_error",
+                None,
+                headers,
+            )
+        if fault == "hang":
+            await asyncio.sleep(self.config.hang_s)
+        if fault == "malformed":
+            return web.Response(
+                text='{"id": "chatcmpl-broken", "choices": [{"mess',
+                content_type="application/json",
+                headers=headers,
+            )
+        # drop (and a hang that outlived its sleep): close the connection without an answer
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError
+
+    def _answer(self, messages: list[dict[str, Any]], model: str, max_tokens: int):
+        """Deterministic content from the prompt; an 'Answer with one of: a, b, c' prompt gets a label."""
+        digest = _digest(messages)
+        seed = int(digest[:12], 16)
+        text = "\n".join(str(m.get("content") or "") for m in messages)
+        marker = "Answer with one of:"
+        if marker in text:
+            options = text.split(marker, 1)[1].splitlines()[0].strip().rstrip(".")
+            labels = [o.strip() for o in options.split(",") if o.strip()]
+            if labels:
+                content = labels[seed % len(labels)]
+                return self._fit(content, model, max_tokens)
+        rng = random.Random(seed)
+        n = rng.randint(3, max(3, self.config.max_answer_tokens))
+        content = " ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + "."
+        return self._fit(content, model, max_tokens)
+
+    @staticmethod
+    def _fit(content: str, model: str, max_tokens: int) -> tuple[str, int, str]:
+        enc = encoding_for(model)
+        if enc is None:
+            n = count_text_tokens(content, model)
+            return content, n, "stop"
+        ids = enc.encode(content, disallowed_special=())
+        if len(ids) > max_tokens:
+            return enc.decode(ids[:max_tokens]), max_tokens, "length"
+        return content, len(ids), "stop"
+
+
+def _digest(messages: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+
+
+async def start_site(
+    sim: Simulator, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(sim.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    sock = site._server.sockets[0]  # aiohttp offers no public accessor for the bound port
+    bound = sock.getsockname()[1]
+    return runner, f"http://{host}:{bound}/v1"
+
+
+class SimulatorThread:
+    """The simulator on its own event loop in a background thread, for in-process use."""
+
+    def __init__(self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+        self.sim = Simulator(config)
+        self._host, self._port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.url = ""
+
+    def start(self) -> SimulatorThread:
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(
+            start_site(self.sim, self._host, self._port), self._loop
+        )
+        self._runner, self.url = fut.result(timeout=10)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> SimulatorThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

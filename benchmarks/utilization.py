@@ -1,0 +1,180 @@
+"""How close to the provider's limit does LLMResource run, and how fairly do K processes share it?
+
+Sends N requests of varied prompt sizes to the simulator (its own process) through LLMResource,
+with the simulator and the limiter set to the same limits, TPM binding (or RPM with --bind rpm).
+Utilization is measured at the simulator: tokens (or requests) it admitted per second over the
+steady part of the run, divided by the limit. Prints one JSON line last.
+
+    python benchmarks/utilization.py [--requests 3000] [--processes 4] [--bind rpm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_TIKTOKEN = Path(__file__).resolve().parents[2] / "shared" / "tiktoken"
+if _TIKTOKEN.is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_TIKTOKEN))
+
+from batch_llm_assets import ChatRequest, LLMResource  # noqa: E402
+from batch_llm_assets.resources import EmbeddedValkey, count_prompt_tokens  # noqa: E402
+from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
+
+MODEL = "sim-1"
+MAX_TOKENS = 64
+WORDS = "markets rally as inflation cools bank shares slide oil climbs on supply fears".split()
+
+
+def make_prompts(n: int, seed: int = 7) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        f"Headline {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 300)))
+        for i in range(n)
+    ]
+
+
+def messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def run_worker(url, redis_url, limits, job, prompts, q, ready, go) -> None:
+    llm = LLMResource(
+        base_url=url,
+        model=MODEL,
+        params={"max_tokens": MAX_TOKENS},
+        redis_url=redis_url,
+        job_key=job,
+        max_concurrency=64,
+        **limits,
+    )
+
+    async def main() -> dict:
+        ready.release()
+        go.wait()  # all processes start together, so throughputs compare
+        start = time.time()
+        ok = n429 = tokens = 0
+        reqs = (ChatRequest(i, messages(p)) for i, p in enumerate(prompts))
+        async for r in llm.chat_batch(reqs):
+            ok += r.ok
+            n429 += r.http_429
+            tokens += (r.prompt_tokens or 0) + MAX_TOKENS
+        return {
+            "job": job,
+            "ok": ok,
+            "http_429": n429,
+            "tokens": tokens,
+            "start": start,
+            "end": time.time(),
+            "requests": len(prompts),
+        }
+
+    q.put(asyncio.run(main()))
+
+
+def steady_rate(series: list[dict], key: str) -> tuple[float, int]:
+    """Mean per-second admissions, leaving out the first and the last two seconds."""
+    if not series:
+        return 0.0, 0
+    by_t = {s["t"]: s[key] for s in series}
+    seconds = list(range(min(by_t), max(by_t) + 1))
+    steady = seconds[2:-2] if len(seconds) > 6 else seconds
+    return sum(by_t.get(t, 0) for t in steady) / max(1, len(steady)), len(steady)
+
+
+def jain(xs: list[float]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs else 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument("--bind", choices=["tpm", "rpm"], default="tpm")
+    ap.add_argument("--target-s", type=float, default=45.0, help="ideal duration of the job")
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    args = ap.parse_args()
+
+    prompts = make_prompts(args.requests)
+    total_tokens = sum(count_prompt_tokens(messages(p), MODEL) + MAX_TOKENS for p in prompts)
+    if args.bind == "tpm":
+        tpm = int(total_tokens / args.target_s * 60)
+        rpm = int(args.requests / args.target_s * 60 * 3)  # slack: tokens bind
+        ideal_s = total_tokens / (tpm / 60)
+    else:
+        rpm = int(args.requests / args.target_s * 60)
+        tpm = int(total_tokens / args.target_s * 60 * 3)
+        ideal_s = args.requests / (rpm / 60)
+    limits = {"rpm": rpm, "tpm": tpm}
+
+    valkey = None
+    redis_url = args.redis_url
+    if not redis_url:
+        valkey = EmbeddedValkey().start()
+        redis_url = valkey.url
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    try:
+        with SimulatorProcess(rpm=rpm, tpm=tpm, latency_ms=50, latency_per_token_ms=1) as sim:
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            ready, go = ctx.Semaphore(0), ctx.Event()
+            k = args.processes
+            chunks = [prompts[i::k] for i in range(k)]
+            t0 = time.time()
+            procs = [
+                ctx.Process(
+                    target=run_worker,
+                    args=(sim.url, redis_url, limits, f"job{i}", c, q, ready, go),
+                )
+                for i, c in enumerate(chunks)
+            ]
+            for p in procs:
+                p.start()
+            for _ in procs:
+                ready.acquire()
+            t0 = time.time()
+            go.set()
+            results = [q.get() for _ in procs]
+            for p in procs:
+                p.join()
+            wall = time.time() - t0
+            stats = sim.stats()
+    finally:
+        if valkey is not None:
+            valkey.stop()
+
+    key, limit = ("tokens", tpm) if args.bind == "tpm" else ("requests", rpm)
+    rate, n_steady = steady_rate(stats["series"], key)
+    start = min(r["start"] for r in results)
+    figures = {
+        "utilization": round(rate / (limit / 60), 4),
+        "rate_limited": sum(r["http_429"] for r in results),
+        "requests": args.requests,
+        "ok": sum(r["ok"] for r in results),
+        "wall_s": round(wall, 2),
+        "ideal_s": round(ideal_s, 2),
+        "bind": args.bind,
+        "rpm": rpm,
+        "tpm": tpm,
+        "processes": args.processes,
+        "steady_seconds": n_steady,
+        "sim_429": stats.get("rate_limited", 0),
+    }
+    if args.processes > 1:
+        field = "tokens" if args.bind == "tpm" else "requests"
+        figures["jain_fairness"] = round(jain([r[field] / (r["end"] - start) for r in results]), 4)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
