@@ -60,21 +60,51 @@ local function save_state()
   keep(KEYS[1], math.max(tr, tt, pause))
 end
 
--- Active jobs and this job's share of the weights.
+-- Recent use of a job, as a fraction of the bucket's capacity (EWMA over `tau` ms).
+local tau = 1000
+local function usage_now(u, ut)
+  if not u then return 0 end
+  return u * math.exp(-math.max(0, now - ut) / tau)
+end
+
+-- This job's share of the bucket while it is saturated: its weight's part, plus its weight's
+-- part of what the nearly idle jobs leave unused (weighted max-min over recent use).
 local function share_of()
   local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
-  if #expired > 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-    redis.call('HDEL', KEYS[3], unpack(expired))
+  for i = 1, #expired do
+    redis.call('HDEL', KEYS[3], 'w:' .. expired[i], 'u:' .. expired[i], 't:' .. expired[i])
   end
+  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
   local members = redis.call('ZRANGE', KEYS[2], 0, -1)
-  local total = 0
-  if #members > 0 then
-    local ws = redis.call('HMGET', KEYS[3], unpack(members))
-    for i = 1, #ws do total = total + (tonumber(ws[i]) or 0) end
+  local jobs, total = {}, 0
+  for i = 1, #members do
+    local m = members[i]
+    local v = redis.call('HMGET', KEYS[3], 'w:' .. m, 'u:' .. m, 't:' .. m)
+    local w = tonumber(v[1]) or 0
+    if w > 0 then
+      jobs[#jobs + 1] = {m, w, usage_now(tonumber(v[2]), tonumber(v[3]))}
+      total = total + w
+    end
   end
-  if total <= 0 then return 1, #members end
-  return math.min(1, weight / total), #members
+  if #jobs <= 1 or total <= 0 then return 1, #members end
+  table.sort(jobs, function(a, b) return a[3] / a[2] < b[3] / b[2] end)
+  local remaining, wleft = 1, total
+  for i = 1, #jobs do
+    local m, w, u = jobs[i][1], jobs[i][2], jobs[i][3]
+    -- A job using under half its weighted share is idle enough to lend the rest. Sorted by
+    -- use per weight, so from the first job that is not, none is.
+    if u >= 0.5 * w / total or m == job then break end
+    remaining = remaining - u
+    wleft = wleft - w
+  end
+  return math.max(weight / total, math.max(remaining, 0) * weight / wleft), #members
+end
+
+-- Count a grant in this job's recent use.
+local function note_usage(cost_ms)
+  local v = redis.call('HMGET', KEYS[3], 'u:' .. job, 't:' .. job)
+  local u = usage_now(tonumber(v[1]), tonumber(v[2])) + cost_ms / tau
+  redis.call('HSET', KEYS[3], 'u:' .. job, u, 't:' .. job, now)
 end
 
 -- Move a TAT by a signed amount of ms: a charge pushes it on, a refund never pulls it before now.
@@ -86,7 +116,7 @@ end
 
 if op == 'release' then
   redis.call('ZREM', KEYS[2], job)
-  redis.call('HDEL', KEYS[3], job)
+  redis.call('HDEL', KEYS[3], 'w:' .. job, 'u:' .. job, 't:' .. job)
   return {1, 0, 0, 0, 0}
 end
 
@@ -126,7 +156,7 @@ end
 
 -- acquire
 redis.call('ZADD', KEYS[2], now + lease_ms, job)
-redis.call('HSET', KEYS[3], job, weight)
+redis.call('HSET', KEYS[3], 'w:' .. job, weight)
 redis.call('PEXPIRE', KEYS[2], lease_ms * 4)
 redis.call('PEXPIRE', KEYS[3], lease_ms * 4)
 local share, active = share_of()
@@ -142,13 +172,16 @@ if rt > 0 then
   s = math.max(s, tt - burst)
 end
 
+-- Saturated: the bucket is not full again since its last use (demand at or above the rate).
+local saturated = s > now or (rr > 0 and tr > now) or (rt > 0 and tt > now)
+
 if share < 1 and extra == 0 then
   local jt = redis.call('HMGET', KEYS[4], 'tr', 'tt')
   local jtr = tonumber(jt[1]) or 0
   local jtt = tonumber(jt[2]) or 0
   local jcr, jct = cr / share, ct / share
-  if s > now then
-    -- Saturated: hold the job to its weighted share.
+  if saturated then
+    -- Hold the job to its weighted share.
     local js = now
     if rr > 0 then js = math.max(js, jtr - burst) end
     if rt > 0 then js = math.max(js, jtt - burst) end
@@ -163,8 +196,8 @@ if share < 1 and extra == 0 then
   end
   jtr = math.max(jtr, now) + jcr
   jtt = math.max(jtt, now) + jct
-  if s <= now then
-    -- Slack used while nobody waits is forgiven beyond one burst.
+  if not saturated then
+    -- Slack used while the bucket was not saturated is forgiven beyond one burst.
     jtr = math.min(jtr, now + burst)
     jtt = math.min(jtt, now + burst)
   end
@@ -174,5 +207,6 @@ end
 
 if rr > 0 then tr = math.max(tr, s) + cr end
 if rt > 0 then tt = math.max(tt, s) + ct end
+note_usage(math.max(cr, ct))
 save_state()
 return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active}

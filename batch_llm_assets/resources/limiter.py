@@ -44,8 +44,8 @@ class Grant:
 
 @dataclass(frozen=True, slots=True)
 class LimiterSettings:
-    rpm: int | None
-    tpm: int | None
+    rpm: int | None = None
+    tpm: int | None = None
     burst_s: float = C.DEFAULT_BURST_S
     lease_ms: int = C.LEASE_TTL_MS
     decrease: float = C.ADAPT_DECREASE

@@ -244,6 +244,16 @@ class Simulator:
                 None,
             )
         cfg = self.config
+        temperature = body.get("temperature")
+        if temperature is not None and not (
+            isinstance(temperature, int | float) and 0 <= temperature <= 2
+        ):
+            return _error(
+                400,
+                f"Invalid 'temperature': {temperature!r}; expected a number from 0 to 2.",
+                "invalid_request_error",
+                "invalid_value",
+            )
         if model not in cfg.models:
             self.counts["not_found"] += 1
             return _error(

@@ -1,0 +1,57 @@
+"""Real servers for the tests: embedded Valkey (and REDIS_URL when set), the simulator process."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+_TIKTOKEN = Path(__file__).resolve().parents[2] / "shared" / "tiktoken"
+if _TIKTOKEN.is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_TIKTOKEN))
+
+from batch_llm_assets.resources import EmbeddedValkey  # noqa: E402
+from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
+
+SIM_KEY = "sk-sim-test-0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def valkey_url():
+    with EmbeddedValkey() as server:
+        yield server.url
+
+
+_REDIS_SERVERS = ["valkey"] + (["redis"] if os.environ.get("REDIS_URL") else [])
+
+
+@pytest.fixture(scope="session", params=_REDIS_SERVERS)
+def redis_url(request, valkey_url):
+    """Every limiter test runs on the embedded Valkey, and on REDIS_URL's server when it is set."""
+    return valkey_url if request.param == "valkey" else os.environ["REDIS_URL"]
+
+
+@pytest.fixture
+def namespace():
+    """A fresh limiter namespace per test, so tests never see each other's state."""
+    return f"test:{{{uuid.uuid4().hex[:12]}}}"
+
+
+@pytest.fixture(scope="session")
+def sim():
+    """One simulator process for the session; tests set what they need and reset it."""
+    with SimulatorProcess(api_key=SIM_KEY, latency_ms=5, latency_per_token_ms=0.05) as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_sim(sim):
+    """The shared simulator with default settings and zeroed counters."""
+    sim.configure(
+        rpm=None, tpm=None, fail_500=0.0, fail_503=0.0, hang=0.0, malformed=0.0, drop=0.0,
+        latency_ms=5.0, latency_per_token_ms=0.05, jitter=0.2, bucket_s=1.0, api_key=SIM_KEY,
+    )
+    sim.reset()
+    return sim

@@ -1,0 +1,205 @@
+"""The Redis limiter on a real Redis-protocol server: exact limits, refunds, leases, shares."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import random
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from batch_llm_assets.resources import LimiterSettings, RedisLimiter, limiter_namespace
+
+
+def _limiter(url, namespace, *, job="job", weight=1.0, **settings):
+    client = aioredis.Redis.from_url(url)
+    return client, RedisLimiter(
+        client, namespace=namespace, settings=LimiterSettings(**settings), job=job, weight=weight
+    )
+
+
+async def _hammer(url, namespace, seconds, tasks, settings, job="job", weight=1.0, seed=0):
+    """Acquire as fast as `tasks` workers can for `seconds`; return (send time, tokens) pairs."""
+    client, lim = _limiter(url, namespace, job=job, weight=weight, **settings)
+    rng = random.Random(seed)
+    sends: list[tuple[float, int]] = []
+    stop = time.time() + seconds
+
+    async def worker():
+        while time.time() < stop:
+            cost = rng.randint(20, 80)
+            grant = await lim.acquire(cost)
+            send_at = time.time() + grant.wait_s
+            await asyncio.sleep(grant.wait_s)
+            sends.append((send_at, cost))
+
+    await asyncio.gather(*(worker() for _ in range(tasks)))
+    await client.aclose()
+    return sends
+
+
+def _process_main(url, namespace, seconds, settings, seed, queue):
+    queue.put(asyncio.run(_hammer(url, namespace, seconds, 8, settings, job=f"p{seed}", seed=seed)))
+
+
+def _max_in_window(sends, window, value):
+    """Largest sum of value(send) over any window of `window` seconds starting at a send."""
+    sends = sorted(sends)
+    best, j, total = 0.0, 0, 0.0
+    for i, (t, _) in enumerate(sends):
+        while j < len(sends) and sends[j][0] < t + window:
+            total += value(sends[j])
+            j += 1
+        best = max(best, total)
+        total -= value(sends[i])
+    return best
+
+
+def test_three_processes_never_exceed_limit_plus_burst(redis_url, namespace):
+    rpm, tpm, burst = 3000, 60_000, 0.5  # 50 req/s, 1000 tokens/s: tokens bind
+    settings = {"rpm": rpm, "tpm": tpm, "burst_s": burst}
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_process_main, args=(redis_url, namespace, 4.0, settings, i, queue))
+        for i in range(3)
+    ]
+    for p in procs:
+        p.start()
+    sends = [s for _ in procs for s in queue.get(timeout=60)]
+    for p in procs:
+        p.join(timeout=30)
+    assert len(sends) > 100
+    slack = 0.02  # send times are read client-side, a round trip after Redis decided them
+    for window in (0.25, 1.0, 2.0):
+        tokens = _max_in_window(sends, window, lambda s: s[1])
+        assert tokens <= tpm / 60 * (window + burst + slack) + 80, (window, tokens)
+        requests = _max_in_window(sends, window, lambda s: 1)
+        assert requests <= rpm / 60 * (window + burst + slack) + 1, (window, requests)
+    # ... and it is not idle either: over the whole run the token limit is nearly reached.
+    span = max(t for t, _ in sends) - min(t for t, _ in sends)
+    assert sum(c for _, c in sends) >= 0.9 * tpm / 60 * span
+
+
+def test_refund_and_charge_move_the_schedule(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=6000, burst_s=0.5)  # 100/s
+        first = await lim.acquire(500)
+        assert first.wait_s == 0
+        before = await lim.acquire(10)
+        assert 4.3 < before.wait_s < 4.6  # 500 tokens = 5 s, minus the 0.5 s burst
+        await lim.reconcile(-400)  # the first answer used 400 tokens less than reserved
+        after = await lim.acquire(10)
+        assert 0.4 < after.wait_s < 0.8
+        await lim.reconcile(+300)  # a charge pushes the schedule on by 3 s
+        charged = await lim.acquire(10)
+        assert 2.9 < charged.wait_s - after.wait_s < 3.3
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_refund_never_moves_the_schedule_before_now(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=6000, burst_s=0.5)
+        await lim.acquire(10)
+        await lim.reconcile(-100_000)
+        # A huge refund must not bank capacity: the burst is all that is available.
+        waits = [(await lim.acquire(25)).wait_s for _ in range(4)]
+        assert waits[0] == 0 and waits[1] == 0
+        assert waits[3] > 0.1
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_leases_lapse_and_are_released(redis_url, namespace):
+    async def main():
+        client, a = _limiter(redis_url, namespace, job="a", tpm=60_000, lease_ms=300)
+        _, b = _limiter(redis_url, namespace, job="b", tpm=60_000, lease_ms=300)
+        assert (await a.acquire(1)).active_jobs == 1
+        grant = await b.acquire(1)
+        assert grant.active_jobs == 2 and grant.share == pytest.approx(0.5)
+        await asyncio.sleep(0.4)  # a's lease lapses, as when its process dies
+        assert (await b.acquire(1)).active_jobs == 1
+        await b.release()
+        assert await client.zcard(f"{namespace}:leases") == 0
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_weighted_shares_hold_under_saturation(redis_url, namespace):
+    settings = {"rpm": None, "tpm": 300_000, "burst_s": 0.2}  # 5000 tokens/s, ~100 req/s
+
+    async def main():
+        return await asyncio.gather(
+            _hammer(redis_url, namespace, 5.0, 16, settings, job="light", weight=1.0, seed=1),
+            _hammer(redis_url, namespace, 5.0, 16, settings, job="heavy", weight=3.0, seed=2),
+        )
+
+    light, heavy = asyncio.run(main())
+    start = min(t for t, _ in light + heavy)
+    lo, hi = start + 1.0, start + 5.0  # steady part
+
+    def tokens(sends):
+        return sum(c for t, c in sends if lo <= t < hi)
+
+    ratio = tokens(heavy) / tokens(light)
+    assert 2.4 < ratio < 3.6, ratio
+    # Work-conserving: together they still use (nearly) the whole limit.
+    assert tokens(heavy) + tokens(light) >= 0.9 * 5000 * (hi - lo)
+
+
+def test_idle_job_leaves_its_share_as_slack(redis_url, namespace):
+    settings = {"rpm": None, "tpm": 300_000, "burst_s": 0.2}
+
+    async def main():
+        client, idle = _limiter(redis_url, namespace, job="idle", **settings)
+        await idle.acquire(1)  # holds a lease with weight 1, then sends almost nothing
+        sends = await _hammer(redis_url, namespace, 3.0, 16, settings, job="busy")
+        await client.aclose()
+        return sends
+
+    sends = asyncio.run(main())
+    start = min(t for t, _ in sends)
+    used = sum(c for t, c in sends if start + 0.5 <= t < start + 3.0)
+    assert used >= 0.85 * 5000 * 2.5  # far above the 50 % share the idle job would leave
+
+
+def test_429_slows_the_bucket_and_pauses_for_the_hint(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, burst_s=0.1)
+        await lim.acquire(0)
+        factor = await lim.penalize(refund_tokens=0, retry_after_s=0.8)
+        assert factor == pytest.approx(0.7, abs=0.01)
+        grant = await lim.acquire(0)
+        assert grant.wait_s >= 0.75  # everyone waits out the server's hint
+        assert grant.factor < 0.8
+        # A second 429 within the cooldown does not compound the slow-down.
+        assert await lim.penalize(refund_tokens=0, retry_after_s=None) > 0.65
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_keys_are_namespaced_without_the_api_key(redis_url):
+    secret = "sk-live-do-not-store-1234567890"
+    ns = limiter_namespace("https://api.openai.com/v1", "gpt-4o-mini", secret)
+    assert secret not in ns and "gpt-4o-mini" in ns
+    assert ns != limiter_namespace("https://api.openai.com/v1", "gpt-4o-mini", secret + "x")
+    assert ns != limiter_namespace("http://localhost:8000/v1", "gpt-4o-mini", secret)
+
+    async def main():
+        client, lim = _limiter(redis_url, ns, rpm=60, tpm=1000)
+        await lim.acquire(10)
+        await client.aclose()
+
+    asyncio.run(main())
+    r = redis.Redis.from_url(redis_url)
+    keys = [k.decode() for k in r.keys(ns.replace("{", "\\{").replace("}", "\\}") + "*")]
+    assert keys and all(secret not in k for k in keys)
+    assert all(r.pttl(k) > 0 for k in keys)  # nothing lives forever
