@@ -31,7 +31,21 @@ from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
 
 MODEL = "sim-1"
 MAX_TOKENS = 64
-WORDS = "markets rally as inflation cools bank shares slide oil climbs on supply fears".split()
+WORDS = [
+    "markets",
+    "rally",
+    "as",
+    "inflation",
+    "cools",
+    "bank",
+    "shares",
+    "slide",
+    "oil",
+    "climbs",
+    "on",
+    "supply",
+    "fears",
+]
 
 
 def make_prompts(n: int, seed: int = 7) -> list[str]:

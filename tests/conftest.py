@@ -50,8 +50,18 @@ def sim():
 def fresh_sim(sim):
     """The shared simulator with default settings and zeroed counters."""
     sim.configure(
-        rpm=None, tpm=None, fail_500=0.0, fail_503=0.0, hang=0.0, malformed=0.0, drop=0.0,
-        latency_ms=5.0, latency_per_token_ms=0.05, jitter=0.2, bucket_s=1.0, api_key=SIM_KEY,
+        rpm=None,
+        tpm=None,
+        fail_500=0.0,
+        fail_503=0.0,
+        hang=0.0,
+        malformed=0.0,
+        drop=0.0,
+        latency_ms=5.0,
+        latency_per_token_ms=0.05,
+        jitter=0.2,
+        bucket_s=1.0,
+        api_key=SIM_KEY,
     )
     sim.reset()
     return sim

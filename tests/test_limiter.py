@@ -149,7 +149,7 @@ def test_weighted_shares_hold_under_saturation(redis_url, namespace):
         return sum(c for t, c in sends if lo <= t < hi)
 
     ratio = tokens(heavy) / tokens(light)
-    assert 2.4 < ratio < 3.6, ratio
+    assert 2.2 < ratio < 3.8, ratio  # weights 1:3, within the noise of a 4 s window
     # Work-conserving: together they still use (nearly) the whole limit.
     assert tokens(heavy) + tokens(light) >= 0.9 * 5000 * (hi - lo)
 
@@ -174,13 +174,13 @@ def test_429_slows_the_bucket_and_pauses_for_the_hint(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, burst_s=0.1)
         await lim.acquire(0)
-        factor = await lim.penalize(refund_tokens=0, retry_after_s=0.8)
+        factor = await lim.penalize(retry_after_s=0.8)
         assert factor == pytest.approx(0.7, abs=0.01)
         grant = await lim.acquire(0)
         assert grant.wait_s >= 0.75  # everyone waits out the server's hint
         assert grant.factor < 0.8
         # A second 429 within the cooldown does not compound the slow-down.
-        assert await lim.penalize(refund_tokens=0, retry_after_s=None) > 0.65
+        assert await lim.penalize(retry_after_s=None) > 0.65
         await client.aclose()
 
     asyncio.run(main())

@@ -104,6 +104,7 @@ class Engine:
         self._fatal_streak = 0
         self._fatal: str | None = None
         self._limits_seen = False
+        self._paused_until = 0.0
         encoding_for(settings.model)  # load tiktoken's files now, not inside the first request
 
     @property
@@ -200,6 +201,11 @@ class Engine:
                     if grant.wait_s > 0:
                         waited += grant.wait_s
                         await asyncio.sleep(grant.wait_s)
+                    # Granted before a 429 was seen here: still wait out the server's hint.
+                    hold = self._paused_until - time.monotonic()
+                    if hold > 0:
+                        waited += hold
+                        await asyncio.sleep(hold)
             except E.LimiterUnavailableError as exc:
                 return _failed(
                     req,
@@ -220,8 +226,12 @@ class Engine:
                 last = exc
                 if exc.status == 429:
                     n429 += 1
+                    if exc.retry_after_s:
+                        self._paused_until = max(
+                            self._paused_until, time.monotonic() + exc.retry_after_s
+                        )
                     if self.limiter is not None:
-                        await self._penalize(estimate, exc)
+                        await self._penalize(exc)
                 if exc.error_class in E.FATAL_CLASSES:
                     self._note_fatal(exc)
                 if not exc.retryable or attempt >= self.s.max_attempts:
@@ -285,10 +295,10 @@ class Engine:
             )
             log.error("Aborting the batch: %s", self._fatal)
 
-    async def _penalize(self, estimate: int, exc: E.ProviderError) -> None:
+    async def _penalize(self, exc: E.ProviderError) -> None:
         assert self.limiter is not None
         try:
-            await self.limiter.penalize(refund_tokens=estimate, retry_after_s=exc.retry_after_s)
+            await self.limiter.penalize(retry_after_s=exc.retry_after_s)
         except E.LimiterUnavailableError:
             pass  # the retry's acquire will report it
 

@@ -62,6 +62,7 @@ end
 
 -- Recent use of a job, as a fraction of the bucket's capacity (EWMA over `tau` ms).
 local tau = 1000
+local memory = 1000
 local function usage_now(u, ut)
   if not u then return 0 end
   return u * math.exp(-math.max(0, now - ut) / tau)
@@ -147,9 +148,7 @@ if op == 'penalize' then
     dec = now
   end
   if extra > 0 then pause = math.max(pause, now + extra) end
-  -- The rejected request was not admitted: give its reservation back.
-  if rt > 0 and tokens > 0 then tt = adjust(tt, -tokens / rt) end
-  if rr > 0 then tr = adjust(tr, -1 / rr) end
+  -- The rejected request's slot is not given back: the provider is over its limit already.
   save_state()
   return {1, 0, math.floor(f0 * 1e6), 0, 0}
 end
@@ -197,9 +196,10 @@ if share < 1 and extra == 0 then
   jtr = math.max(jtr, now) + jcr
   jtt = math.max(jtt, now) + jct
   if not saturated then
-    -- Slack used while the bucket was not saturated is forgiven beyond one burst.
-    jtr = math.min(jtr, now + burst)
-    jtt = math.min(jtt, now + burst)
+    -- Slack used while the bucket was not saturated is forgiven beyond `memory` ms: enough to
+    -- keep shares fair across brief lulls, not so much that lent capacity is paid back later.
+    jtr = math.min(jtr, now + math.max(burst, memory))
+    jtt = math.min(jtt, now + math.max(burst, memory))
   end
   redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt, 'share', share)
   keep(KEYS[4], math.max(jtr, jtt))

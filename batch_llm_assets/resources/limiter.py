@@ -148,9 +148,9 @@ class RedisLimiter:
         if tokens_delta or requests_delta:
             await self._call("reconcile", tokens_delta, requests_delta)
 
-    async def penalize(self, *, refund_tokens: int, retry_after_s: float | None) -> float:
-        """A 429 got through: slow the shared bucket down, pause for the hint, refund the slot."""
-        res = await self._call("penalize", refund_tokens, (retry_after_s or 0) * 1000)
+    async def penalize(self, *, retry_after_s: float | None) -> float:
+        """A 429 got through: slow the shared bucket down and pause everyone for the hint."""
+        res = await self._call("penalize", 0, (retry_after_s or 0) * 1000)
         return res[2] / 1e6
 
     async def release(self) -> None:

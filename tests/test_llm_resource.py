@@ -1,0 +1,191 @@
+"""LLMResource against the simulator over real HTTP: results, retries, fatal errors, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from batch_llm_assets import ChatRequest, LLMResource
+from batch_llm_assets.resources import count_prompt_tokens
+
+from .conftest import SIM_KEY
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def run(llm: LLMResource, requests) -> dict:
+    async def main():
+        return {r.id: r async for r in llm.chat_batch(requests)}
+
+    with llm:
+        return asyncio.run(main())
+
+
+def make(sim, **kw) -> LLMResource:
+    settings = {"base_url": sim.url, "api_key": SIM_KEY, "model": "sim-1", "max_attempts": 6}
+    return LLMResource(**(settings | kw))
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "openai"])
+def test_results_carry_text_usage_and_latency(fresh_sim, transport):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    results = run(
+        make(fresh_sim, transport=transport, params={"max_tokens": 30}),
+        [ChatRequest(i, messages) for i in range(20)],
+    )
+    assert len(results) == 20
+    r = results[0]
+    assert r.status == "ok" and r.response and r.finish_reason in ("stop", "length")
+    assert r.prompt_tokens == count_prompt_tokens(messages, "sim-1")
+    assert 0 < r.completion_tokens <= 30
+    assert r.latency_ms > 0 and r.attempts == 1 and r.error_class is None
+    assert r.estimated_tokens == r.prompt_tokens + 30  # the estimate is exact, plus max_tokens
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "openai"])
+def test_retries_recover_injected_faults(fresh_sim, transport):
+    fresh_sim.configure(fail_500=0.15, fail_503=0.15, drop=0.1, hang=0.05, hang_s=30.0)
+    llm = make(fresh_sim, transport=transport, request_timeout_s=1.0, max_attempts=10)
+    results = run(llm, [ChatRequest(i, user(f"row {i}")) for i in range(120)])
+    assert all(r.ok for r in results.values()), {r.error_class for r in results.values()}
+    assert sum(r.attempts > 1 for r in results.values()) > 20
+    stats = fresh_sim.stats()
+    assert stats["fault_500"] and stats["fault_503"] and stats["fault_drop"] and stats["fault_hang"]
+
+
+def test_malformed_bodies_are_retried(fresh_sim):
+    fresh_sim.configure(malformed=0.3)
+    results = run(
+        make(fresh_sim, max_attempts=10), [ChatRequest(i, user(f"m{i}")) for i in range(40)]
+    )
+    assert all(r.ok for r in results.values())
+    assert fresh_sim.stats()["fault_malformed"] > 0
+
+
+def test_attempts_are_bounded(fresh_sim):
+    fresh_sim.configure(fail_503=1.0)
+    results = run(make(fresh_sim, max_attempts=2), [ChatRequest(i, user("x")) for i in range(3)])
+    for r in results.values():
+        assert r.status == "failed" and r.error_class == "server_error" and r.attempts == 2
+        assert "503" in r.error_message
+    assert fresh_sim.stats()["received"] == 6
+
+
+def test_a_bad_request_fails_alone_and_is_not_retried(fresh_sim):
+    reqs = [ChatRequest(i, user(f"ok {i}")) for i in range(10)]
+    reqs.append(ChatRequest("bad", user("x"), params={"temperature": 9}))
+    results = run(make(fresh_sim), reqs)
+    bad = results.pop("bad")
+    assert bad.status == "failed" and bad.error_class == "bad_request" and bad.attempts == 1
+    assert "temperature" in bad.error_message
+    assert all(r.ok for r in results.values())
+
+
+def test_context_length_from_the_server_is_not_retried(fresh_sim):
+    # sim-1 is not in the client's table of context windows: the server has to say it.
+    results = run(
+        make(fresh_sim),
+        [ChatRequest("long", user("word " * 20_000)), ChatRequest("short", user("hi"))],
+    )
+    assert results["long"].error_class == "context_length" and results["long"].attempts == 1
+    assert results["short"].ok
+
+
+def test_bad_input_fails_without_a_network_call(fresh_sim):
+    reqs = [
+        ChatRequest("none", None),
+        ChatRequest("null", user(None)),
+        ChatRequest("blank", user("   ")),
+        ChatRequest("no-user", [{"role": "system", "content": "x"}]),
+        ChatRequest("huge", user("word " * 5000)),
+    ]
+    results = run(make(fresh_sim, context_window=2000), reqs)
+    for key in ("none", "null", "blank", "no-user"):
+        assert results[key].error_class == "empty_prompt" and results[key].attempts == 0
+    assert results["huge"].error_class == "context_length"
+    assert "2000" in results["huge"].error_message
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+def test_bad_key_fails_fast_without_leaking_it(fresh_sim, caplog):
+    secret = "sk-planted-secret-key-987654321"
+    llm = make(fresh_sim, api_key=secret, max_concurrency=4, fatal_error_threshold=3)
+    with caplog.at_level(logging.DEBUG):
+        results = run(llm, [ChatRequest(i, user(f"r{i}")) for i in range(200)])
+    classes = [r.error_class for r in results.values()]
+    assert set(classes) == {"authentication", "aborted"}
+    assert classes.count("aborted") > 150
+    assert fresh_sim.stats()["received"] <= 3 + 4  # the threshold, plus what was in flight
+    text = caplog.text + repr(llm) + "".join(str(r) for r in results.values())
+    assert secret not in text and secret[3:12] not in text and secret[-6:] not in text
+
+
+def test_deadline_fails_requests_that_cannot_be_sent_in_time(fresh_sim):
+    fresh_sim.configure(hang=1.0, hang_s=30.0)
+    started = time.monotonic()
+    results = run(
+        make(fresh_sim, deadline_s=1.0, request_timeout_s=10),
+        [ChatRequest(i, user("x")) for i in range(3)],
+    )
+    assert time.monotonic() - started < 5
+    assert {r.error_class for r in results.values()} == {"deadline_exceeded"}
+
+
+def test_deadline_passed_while_waiting_for_the_limiter_is_not_sent(fresh_sim, valkey_url):
+    # 60 requests/min, burst of one: the 3rd request would wait ~2 s, past its 0.5 s deadline.
+    llm = make(
+        fresh_sim,
+        rpm=60,
+        burst_s=1.0,
+        redis_url=valkey_url,
+        job_key="deadline-test",
+        max_concurrency=8,
+    )
+    reqs = [ChatRequest(i, user(f"d{i}"), deadline=time.monotonic() + 0.5) for i in range(6)]
+    results = run(llm, reqs)
+    sent = [r for r in results.values() if r.ok]
+    late = [r for r in results.values() if r.error_class == "deadline_exceeded"]
+    assert len(sent) >= 1 and len(late) >= 3 and len(sent) + len(late) == 6
+    assert fresh_sim.stats()["received"] == len(sent)
+
+
+def test_429s_that_get_through_are_retried_and_slow_the_bucket(fresh_sim, valkey_url):
+    # The key's real limit (the simulator's) is half what the resource was told.
+    fresh_sim.configure(rpm=600, bucket_s=0.5)
+    llm = make(fresh_sim, rpm=1200, redis_url=valkey_url, job_key="429-test", max_attempts=20)
+    results = run(llm, [ChatRequest(i, user(f"q{i}")) for i in range(60)])
+    assert all(r.ok for r in results.values())
+    assert sum(r.http_429 for r in results.values()) > 0
+    # The 429s slowed the bucket and the provider's headers told it the real limit: once the
+    # reservations made at the wrong rate have passed, no more 429s.
+    stats = fresh_sim.stats()
+    assert stats["rate_limited"] < stats["admitted_requests"]
+    assert [s["rate_limited"] for s in stats["series"][-3:]] == [0, 0, 0]
+
+
+def test_embedded_valkey_is_started_and_stopped_with_the_resource(fresh_sim):
+    llm = make(fresh_sim, rpm=6000)
+    with llm:
+        url = llm.effective_redis_url
+        assert url and url.startswith("redis://127.0.0.1:")
+
+        async def one():
+            return [r async for r in llm.chat_batch([ChatRequest(1, user("x"))])]
+
+        assert asyncio.run(one())[0].ok
+    assert llm.effective_redis_url is None
+
+
+def test_api_key_is_not_in_repr():
+    llm = LLMResource(api_key="sk-should-not-show-1234")
+    assert "sk-should-not-show" not in repr(llm) and "sk-should-not-show" not in str(llm)
+
+
+def test_bad_base_url_is_a_clear_error():
+    with pytest.raises(Exception, match="base_url must start with http"):
+        LLMResource(base_url="api.openai.com")

@@ -1,0 +1,157 @@
+"""The provider simulator over real HTTP: exact limits, OpenAI's 429s, usage, faults, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import pytest
+import tiktoken
+
+from batch_llm_assets.resources import count_prompt_tokens
+from batch_llm_assets.simulator.server import openai_duration
+
+from .conftest import SIM_KEY
+
+DURATION = re.compile(r"^(\d+ms|(\d+m)?\d+(\.\d+)?s)$")
+AUTH = {"Authorization": f"Bearer {SIM_KEY}"}
+
+
+async def _post(url, body, headers=AUTH, timeout=10):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"{url}/chat/completions",
+            json=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.text()
+
+
+def post(url, body, **kw):
+    return asyncio.run(_post(url, body, **kw))
+
+
+def body(text="Hello", max_tokens=20, **extra):
+    return {
+        "model": "sim-1",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def test_duration_format_is_openais():
+    assert openai_duration(0.012) == "12ms"
+    assert openai_duration(1.5) == "1.5s"
+    assert openai_duration(360) == "6m0s"
+    assert openai_duration(61.25) == "1m1.25s"
+
+
+def test_answer_has_a_correct_usage_block_and_is_deterministic(fresh_sim):
+    messages = [
+        {"role": "system", "content": "You label headlines."},
+        {"role": "user", "content": "Stocks soar on rate cut hopes"},
+    ]
+    req = {"model": "sim-1", "messages": messages, "max_tokens": 40}
+    status, _, text = post(fresh_sim.url, req)
+    assert status == 200
+    first = json.loads(text)
+    usage = first["usage"]
+    assert usage["prompt_tokens"] == count_prompt_tokens(messages, "sim-1")
+    content = first["choices"][0]["message"]["content"]
+    enc = tiktoken.get_encoding("o200k_base")
+    assert usage["completion_tokens"] == len(enc.encode(content)) <= 40
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    again = json.loads(post(fresh_sim.url, req)[2])
+    assert again["choices"][0]["message"]["content"] == content
+
+
+def test_label_prompts_get_one_of_the_labels(fresh_sim):
+    status, _, text = post(fresh_sim.url, body("Fed hikes. Answer with one of: up, down, flat"))
+    assert status == 200
+    assert json.loads(text)["choices"][0]["message"]["content"] in {"up", "down", "flat"}
+
+
+def test_requests_per_minute_are_enforced_exactly(fresh_sim):
+    fresh_sim.configure(rpm=120, bucket_s=1.0)  # 2 per second, a bucket of 2
+
+    async def burst():
+        return await asyncio.gather(*(_post(fresh_sim.url, body(f"r{i}")) for i in range(8)))
+
+    results = asyncio.run(burst())
+    statuses = [r[0] for r in results]
+    assert statuses.count(200) == 2 and statuses.count(429) == 6
+    _, headers, text = next(r for r in results if r[0] == 429)
+    err = json.loads(text)["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+    assert int(headers["retry-after-ms"]) > 0
+    assert headers["x-ratelimit-limit-requests"] == "120"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert DURATION.match(headers["x-ratelimit-reset-requests"]), headers
+    stats = fresh_sim.stats()
+    assert stats["admitted_requests"] == 2 and stats["rate_limited"] == 6
+
+
+def test_tokens_count_prompt_plus_max_tokens_at_admission(fresh_sim):
+    fresh_sim.configure(tpm=6000, bucket_s=1.0)  # a bucket of 100 tokens
+    first = body("x", max_tokens=80)
+    cost = count_prompt_tokens(first["messages"], "sim-1") + 80
+    status, headers, _ = post(fresh_sim.url, first)
+    assert status == 200
+    assert int(headers["x-ratelimit-remaining-tokens"]) == 100 - cost
+    assert DURATION.match(headers["x-ratelimit-reset-tokens"])
+    # The answer is short, but max_tokens was counted: a second such request does not fit.
+    status, headers, text = post(fresh_sim.url, body("y", max_tokens=80))
+    assert status == 429 and json.loads(text)["error"]["type"] == "tokens"
+    assert fresh_sim.stats()["admitted_tokens"] == cost
+
+
+def test_errors_look_like_openais(fresh_sim):
+    status, _, text = post(fresh_sim.url, body(), headers={"Authorization": "Bearer sk-wrong-123"})
+    assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+    status, _, text = post(fresh_sim.url, {**body(), "model": "nope"})
+    assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+    status, _, text = post(fresh_sim.url, body("word " * 20_000, max_tokens=10))
+    assert status == 400 and json.loads(text)["error"]["code"] == "context_length_exceeded"
+    status, _, text = post(fresh_sim.url, body(temperature=7))
+    assert status == 400 and json.loads(text)["error"]["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("fault,status", [("fail_500", 500), ("fail_503", 503)])
+def test_injected_server_errors(fresh_sim, fault, status):
+    fresh_sim.configure(**{fault: 1.0})
+    assert post(fresh_sim.url, body())[0] == status
+
+
+def test_injected_malformed_body(fresh_sim):
+    fresh_sim.configure(malformed=1.0)
+    status, _, text = post(fresh_sim.url, body())
+    assert status == 200
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_injected_drop_and_hang(fresh_sim):
+    fresh_sim.configure(drop=1.0)
+    with pytest.raises(aiohttp.ClientError):
+        post(fresh_sim.url, body())
+    fresh_sim.configure(drop=0.0, hang=1.0, hang_s=30.0)
+    with pytest.raises(asyncio.TimeoutError):
+        post(fresh_sim.url, body(), timeout=0.5)
+    assert fresh_sim.stats()["fault_hang"] == 1
+
+
+def test_models_and_stats(fresh_sim):
+    async def get(path):
+        async with aiohttp.ClientSession() as s, s.get(fresh_sim.root + path) as r:
+            return await r.json()
+
+    models = asyncio.run(get("/v1/models"))
+    assert {"sim-1", "gpt-4o-mini"} <= {m["id"] for m in models["data"]}
+    post(fresh_sim.url, body())
+    stats = fresh_sim.stats()
+    assert stats["answered"] == 1 and stats["series"][0]["requests"] == 1
+    assert stats["config"]["api_key"] is None  # the stats never show the key
