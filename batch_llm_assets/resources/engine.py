@@ -31,6 +31,7 @@ class ChatRequest:
     messages: list[dict[str, Any]] | None
     params: dict[str, Any] | None = None
     deadline: float | None = None  # time.monotonic() after which it is not sent again
+    error: tuple[str, str] | None = None  # (class, message): a bad row, failed without sending
 
 
 @dataclass(slots=True)
@@ -175,6 +176,8 @@ class Engine:
 
     async def run_one(self, req: ChatRequest) -> ChatResult:
         """One request through validation, limiter, retries. Never raises for provider errors."""
+        if req.error is not None:
+            return _failed(req, *req.error)
         prepared = self._prepare(req)
         if isinstance(prepared, ChatResult):
             return prepared

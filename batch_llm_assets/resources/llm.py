@@ -104,6 +104,14 @@ class LLMResource(dg.ConfigurableResource):
         default="aiohttp",
         description="HTTP path: 'aiohttp' (lean, fastest) or 'openai' (the openai SDK).",
     )
+    price_input_per_1m: float | None = Field(
+        default=None,
+        description="USD per 1M input tokens for this model; None: the built-in price table.",
+    )
+    price_output_per_1m: float | None = Field(
+        default=None,
+        description="USD per 1M output tokens for this model; None: the built-in price table.",
+    )
     fatal_error_threshold: int = Field(
         default=C.FATAL_ERROR_THRESHOLD,
         ge=1,
@@ -158,29 +166,38 @@ class LLMResource(dg.ConfigurableResource):
         return self._valkey.url if self._valkey else None
 
     # -- use -------------------------------------------------------------------------------
-    def engine_settings(self) -> EngineSettings:
+    def engine_settings(
+        self, *, model: str | None = None, params: dict[str, Any] | None = None
+    ) -> EngineSettings:
+        model = model or self.model
         return EngineSettings(
-            model=self.model,
-            params=dict(self.params),
+            model=model,
+            params={**self.params, **(params or {})},
             max_concurrency=self.max_concurrency,
             request_timeout_s=self.request_timeout_s,
             max_attempts=self.max_attempts,
             deadline_s=self.deadline_s,
             default_max_tokens=self.default_max_tokens,
-            context_window=self.context_window or C.context_window_for(self.model),
+            context_window=self.context_window or C.context_window_for(model),
             refund_unused_completion=self.refund_unused_completion,
             fatal_error_threshold=self.fatal_error_threshold,
             secret=self.api_key,
         )
 
     @contextlib.asynccontextmanager
-    async def engine(self) -> AsyncIterator[Engine]:
-        """An engine bound to the running event loop; closes its connections on exit."""
+    async def engine(
+        self, *, model: str | None = None, params: dict[str, Any] | None = None
+    ) -> AsyncIterator[Engine]:
+        """An engine bound to the running event loop; closes its connections on exit.
+
+        `model` and `params` override the resource's for this engine (one asset, one model).
+        """
+        model = model or self.model
         transport = TRANSPORTS[self.transport](
             base_url=self.base_url,
             api_key=self.api_key,
             api_version=self.api_version,
-            model=self.model,
+            model=model,
             max_connections=self.max_concurrency,
         )
         client = None
@@ -193,13 +210,13 @@ class LLMResource(dg.ConfigurableResource):
             )
             limiter = RedisLimiter(
                 client,
-                namespace=limiter_namespace(self.base_url, self.model, self.api_key),
+                namespace=limiter_namespace(self.base_url, model, self.api_key),
                 settings=LimiterSettings(rpm=self.rpm, tpm=self.tpm, burst_s=self.burst_s),
                 job=self.job_key,
                 weight=self.job_weight,
             )
         try:
-            yield Engine(self.engine_settings(), transport, limiter)
+            yield Engine(self.engine_settings(model=model, params=params), transport, limiter)
         finally:
             if limiter is not None:
                 await limiter.release()

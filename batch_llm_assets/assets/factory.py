@@ -1,0 +1,136 @@
+"""build_llm_batch_asset: a partitioned asset that runs an LLM over every row of a table slice."""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from ..resources.errors import BatchLLMError
+from ..resources.llm import LLMResource
+from ..resources.warehouse import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
+from .metadata import build_metadata, output_schema
+from .prompt import CompiledPrompt, Prompt
+from .runner import PartitionRun, RunSpec, check_failures
+
+DEFAULT_MAX_FAILED_FRACTION = 0.05
+DEFAULT_CHUNK_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class SourceTable:
+    """The input: table, its unique id column, the partition column and the prompt's columns.
+
+    `columns` defaults to the columns the prompt names.
+    """
+
+    table: str
+    id_column: str = "id"
+    partition_column: str | None = None
+    columns: Sequence[str] = field(default_factory=tuple)
+
+
+def _slice_for(context: dg.AssetExecutionContext, column: str | None) -> tuple[SliceFilter, str]:
+    if not context.has_partition_key:
+        return SliceFilter(), "__all__"
+    key = context.partition_key
+    if column is None:
+        raise BatchLLMError(description="A partitioned asset needs source.partition_column.")
+    if isinstance(context.assets_def.partitions_def, dg.TimeWindowPartitionsDefinition):
+        window = context.partition_time_window
+        return SliceFilter(column=column, start=window.start, end=window.end, label=key), key
+    return SliceFilter(column=column, value=key, label=key), key
+
+
+def build_llm_batch_asset(
+    *,
+    name: str,
+    source: SourceTable,
+    prompt: Prompt | str,
+    output: str,
+    model: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    partitions_def: dg.PartitionsDefinition | None = None,
+    max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    llm_resource_key: str = "llm",
+    warehouse_resource_key: str = "warehouse",
+    key_prefix: Sequence[str] | None = None,
+    group_name: str | None = None,
+    description: str | None = None,
+    deps: Sequence[dg.AssetKey | str] | None = None,
+    tags: Mapping[str, str] | None = None,
+    owners: Sequence[str] | None = None,
+) -> dg.AssetsDefinition:
+    """An asset whose partitions each send one chat request per source row and write the answers.
+
+    Checked here, before any run: identifiers (names only, never SQL), the template's syntax and
+    that it names only known columns, and the settings' ranges.
+    """
+    check_identifier(name, "asset")
+    check_table(source.table)
+    check_table(output)
+    check_identifier(source.id_column, "id column")
+    if source.partition_column is not None:
+        check_identifier(source.partition_column, "partition column")
+    if isinstance(prompt, str):
+        prompt = Prompt(template=prompt)
+    columns = tuple(source.columns) or tuple(sorted(prompt.variables()))
+    for column in columns:
+        check_identifier(column)
+    compiled = CompiledPrompt(prompt, columns)
+    if not 0 <= max_failed_fraction <= 1:
+        raise BatchLLMError(
+            description=f"max_failed_fraction must be within [0, 1], got {max_failed_fraction}"
+        )
+    if chunk_rows < 1:
+        raise BatchLLMError(description=f"chunk_rows must be >= 1, got {chunk_rows}")
+    if partitions_def is None:
+        partitions_def = dg.DailyPartitionsDefinition(start_date="2019-01-01")
+    if partitions_def is not None and source.partition_column is None:
+        raise BatchLLMError(
+            description=f"Asset {name!r} is partitioned: set source.partition_column."
+        )
+    params = dict(params or {})
+    spec = RunSpec(
+        source=SourceRef(source.table, source.id_column, columns, source.partition_column),
+        output_table=output,
+        prompt=compiled,
+        model=model,
+        params=params,
+        chunk_rows=chunk_rows,
+    )
+
+    @dg.asset(
+        name=name,
+        key_prefix=list(key_prefix) if key_prefix else None,
+        partitions_def=partitions_def,
+        required_resource_keys={llm_resource_key, warehouse_resource_key},
+        group_name=group_name,
+        description=description
+        or f"LLM answers for every row of {source.table}, written to {output}.",
+        deps=list(deps or []),
+        tags=dict(tags or {}),
+        owners=list(owners) if owners else None,
+        kinds={"python", "openai"},
+        metadata={
+            "batch_llm/source_table": source.table,
+            "batch_llm/output_table": output,
+            "batch_llm/prompt_template": prompt.template,
+            "batch_llm/model": model or "(resource default)",
+            "dagster/column_schema": output_schema(source.id_column),
+        },
+    )
+    def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        llm: LLMResource = getattr(context.resources, llm_resource_key)
+        warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
+        where, partition_key = _slice_for(context, source.partition_column)
+        with warehouse.session() as session:
+            run = PartitionRun(spec, llm, session, where, partition_key, context.log)
+            stats = run.run()
+            row_count = session.count_output(output, partition_key)
+        metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
+        check_failures(stats, max_failed_fraction, metadata)
+        return dg.MaterializeResult(metadata=metadata)
+
+    return _asset

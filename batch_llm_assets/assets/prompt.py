@@ -1,0 +1,75 @@
+"""Prompt templates over row columns, rendered in Jinja's sandbox (no Python objects reachable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2 import meta
+from jinja2.sandbox import SandboxedEnvironment
+
+from ..resources.errors import BatchLLMError
+
+_ENV = SandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
+
+
+class PromptError(BatchLLMError):
+    """A prompt template that cannot work: malformed, or naming an unknown column."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """`template` (user message) and optional `system`, both Jinja over the row's columns."""
+
+    template: str
+    system: str | None = None
+
+    def variables(self) -> set[str]:
+        names: set[str] = set()
+        for label, text in (("template", self.template), ("system", self.system)):
+            if text is None:
+                continue
+            if not isinstance(text, str) or (label == "template" and not text.strip()):
+                raise PromptError(description=f"Prompt {label} must be a non-empty string.")
+            try:
+                names |= meta.find_undeclared_variables(_ENV.parse(text))
+            except jinja2.TemplateSyntaxError as exc:
+                raise PromptError(
+                    description=f"Malformed prompt {label} (line {exc.lineno}): {exc.message}"
+                ) from None
+        return names
+
+
+class CompiledPrompt:
+    """A checked prompt, ready to render rows into chat messages."""
+
+    def __init__(self, prompt: Prompt, columns: tuple[str, ...]) -> None:
+        used = prompt.variables()
+        unknown = sorted(used - set(columns))
+        if unknown:
+            raise PromptError(
+                description=f"Prompt uses unknown column(s) {unknown}; the source provides "
+                f"{sorted(columns)}."
+            )
+        self.prompt = prompt
+        self.used = tuple(sorted(used))
+        self._user = _ENV.from_string(prompt.template)
+        self._system = _ENV.from_string(prompt.system) if prompt.system else None
+
+    def render(self, row: dict[str, Any]) -> tuple[list[dict[str, str]] | None, str | None]:
+        """(messages, None), or (None, reason) for a row that must not be sent."""
+        nulls = [c for c in self.used if row.get(c) is None]
+        if nulls:
+            return None, f"column(s) {nulls} are NULL"
+        try:
+            user = self._user.render(row)
+            messages = []
+            if self._system is not None:
+                messages.append({"role": "system", "content": self._system.render(row)})
+        except jinja2.TemplateError as exc:  # includes the sandbox's SecurityError
+            return None, f"prompt could not be rendered: {exc}"
+        if not user.strip():
+            return None, "rendered prompt is empty"
+        messages.append({"role": "user", "content": user})
+        return messages, None

@@ -1,0 +1,127 @@
+"""The small interface the batch asset needs from a warehouse, and safe identifiers.
+
+Values always travel as query parameters; table and column names are checked against a strict
+pattern and quoted, never pasted from config.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .errors import BatchLLMError
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+class InvalidIdentifierError(BatchLLMError, ValueError):
+    """A table or column name that could carry SQL: refused before anything runs."""
+
+
+def check_identifier(name: str, what: str = "column") -> str:
+    if not isinstance(name, str) or not _IDENT.match(name):
+        raise InvalidIdentifierError(
+            description=f"Invalid {what} name {name!r}: use letters, digits and underscores only "
+            "(no quotes, backticks, semicolons, spaces or comments)."
+        )
+    return name
+
+
+def check_table(name: str, *, max_parts: int = 3) -> tuple[str, ...]:
+    """'table', 'schema.table' or 'catalog.schema.table' -> its checked parts."""
+    parts = tuple(name.split(".")) if isinstance(name, str) else (name,)
+    if not 1 <= len(parts) <= max_parts:
+        raise InvalidIdentifierError(
+            description=f"Invalid table name {name!r}: expected at most {max_parts} dotted parts."
+        )
+    for part in parts:
+        check_identifier(part, f"table name part of {name!r}:")
+    return parts
+
+
+@dataclass(frozen=True)
+class SliceFilter:
+    """Which rows of the source belong to one partition: a time window, one value, or all."""
+
+    column: str | None = None
+    start: datetime | None = None
+    end: datetime | None = None
+    value: Any = None
+    label: str = "all"
+
+    @property
+    def kind(self) -> str:
+        if self.column is None:
+            return "all"
+        return "range" if self.start is not None else "equals"
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    table: str
+    id_column: str
+    columns: tuple[str, ...]
+    partition_column: str | None = None
+
+
+class WarehouseSession(abc.ABC):
+    """One connection's worth of the operations a partition run needs."""
+
+    @abc.abstractmethod
+    def check_source(self, source: SourceRef) -> None:
+        """Raise a clear error if the table or any named column does not exist."""
+
+    @abc.abstractmethod
+    def slice_stats(self, source: SourceRef, where: SliceFilter) -> tuple[int, list[Any], int]:
+        """(rows, up to 5 duplicate ids, NULL ids) of the slice."""
+
+    @abc.abstractmethod
+    def read_slice(
+        self, source: SourceRef, where: SliceFilter, chunk_rows: int
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The slice's rows (id + columns), in chunks of at most chunk_rows, ordered by id."""
+
+    @abc.abstractmethod
+    def ensure_output(self, table: str, source: SourceRef) -> None:
+        """Create the output table if missing, with the source id's type."""
+
+    @abc.abstractmethod
+    def done_hashes(self, table: str, ids: Sequence[Any]) -> dict[Any, str]:
+        """request_hash of the rows among `ids` that already succeeded."""
+
+    @abc.abstractmethod
+    def write_results(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Upsert by id, atomically: after it, each id has exactly one row."""
+
+    @abc.abstractmethod
+    def count_output(self, table: str, partition_key: str) -> int:
+        """Output rows of one partition."""
+
+
+class Warehouse(abc.ABC):
+    """A resource that can open a WarehouseSession."""
+
+    @abc.abstractmethod
+    def session(self) -> AbstractContextManager[WarehouseSession]: ...
+
+
+OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("partition_key", "string"),
+    ("response", "string"),
+    ("status", "string"),
+    ("error_class", "string"),
+    ("error", "string"),
+    ("model", "string"),
+    ("prompt_tokens", "int"),
+    ("completion_tokens", "int"),
+    ("cost_usd", "float"),
+    ("latency_ms", "float"),
+    ("attempts", "int"),
+    ("request_hash", "string"),
+    ("completed_at", "timestamp"),
+)
