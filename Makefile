@@ -37,3 +37,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache
+
+demo: $(STAMP)
+	$(PY) -m batch_llm_assets.demo run --partitions 3
+
+dev: $(STAMP)
+	$(PY) -m batch_llm_assets.demo dev
