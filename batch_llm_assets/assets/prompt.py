@@ -9,7 +9,7 @@ import jinja2
 from jinja2 import meta
 from jinja2.sandbox import SandboxedEnvironment
 
-from ..resources.errors import BatchLLMError
+from ..resources.errors import EMPTY_PROMPT, PROMPT_RENDER, BatchLLMError
 
 _ENV = SandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
 
@@ -57,19 +57,24 @@ class CompiledPrompt:
         self._user = _ENV.from_string(prompt.template)
         self._system = _ENV.from_string(prompt.system) if prompt.system else None
 
-    def render(self, row: dict[str, Any]) -> tuple[list[dict[str, str]] | None, str | None]:
-        """(messages, None), or (None, reason) for a row that must not be sent."""
+    def render(
+        self, row: dict[str, Any]
+    ) -> tuple[list[dict[str, str]] | None, tuple[str, str] | None]:
+        """(messages, None), or (None, (error class, reason)) for a row that must not be sent."""
         nulls = [c for c in self.used if row.get(c) is None]
         if nulls:
-            return None, f"column(s) {nulls} are NULL"
+            return None, (EMPTY_PROMPT, f"column(s) {nulls} are NULL")
+        blanks = [c for c in self.used if isinstance(row[c], str) and not row[c].strip()]
+        if blanks:
+            return None, (EMPTY_PROMPT, f"column(s) {blanks} are empty")
         try:
             user = self._user.render(row)
             messages = []
             if self._system is not None:
                 messages.append({"role": "system", "content": self._system.render(row)})
         except jinja2.TemplateError as exc:  # includes the sandbox's SecurityError
-            return None, f"prompt could not be rendered: {exc}"
+            return None, (PROMPT_RENDER, f"prompt could not be rendered: {exc}")
         if not user.strip():
-            return None, "rendered prompt is empty"
+            return None, (EMPTY_PROMPT, "rendered prompt is empty")
         messages.append({"role": "user", "content": user})
         return messages, None

@@ -22,6 +22,7 @@ from .pricing import cost_usd, price_for
 from .prompt import CompiledPrompt
 
 PROGRESS_EVERY_S = 30.0
+FLUSH_EVERY_S = 1.0
 
 
 def request_hash(messages: list[dict[str, Any]], model: str, params: dict[str, Any]) -> str:
@@ -135,7 +136,7 @@ class PartitionRun:
                 rid = row[self.spec.source.id_column]
                 messages, problem = self.spec.prompt.render(row)
                 if problem is not None:
-                    yield ChatRequest(rid, None, error=(E.EMPTY_PROMPT, f"{problem}; not sent"))
+                    yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
                     continue
                 h = request_hash(messages, self.model, self.params)
                 if done.get(rid) == h:
@@ -166,17 +167,19 @@ class PartitionRun:
 
     async def _run(self) -> None:
         started = time.monotonic()
-        last_log = started
+        last_log = flushed = started
         next_pct = 10
         buffer: list[dict[str, Any]] = []
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
             results: AsyncIterator[ChatResult] = engine.map(_threaded(self._requests()))
             async for result in results:
                 buffer.append(self._row(result, datetime.now(UTC)))
-                if len(buffer) >= self.spec.chunk_rows:
+                now = time.monotonic()
+                # Durable often: what a crash loses (and a rerun pays again) is this buffer.
+                if len(buffer) >= self.spec.chunk_rows or now - flushed >= FLUSH_EVERY_S:
                     await asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
                     buffer = []
-                now = time.monotonic()
+                    flushed = now
                 pct = 100 * self.stats.processed / max(1, self.stats.rows_in)
                 if pct >= next_pct or now - last_log >= PROGRESS_EVERY_S:
                     self._progress(now - started)

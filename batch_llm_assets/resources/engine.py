@@ -121,7 +121,8 @@ class Engine:
         Input is pulled lazily, so memory is bounded by the concurrency, not the batch.
         """
         source = _aiter(requests)
-        out: asyncio.Queue[ChatResult | None] = asyncio.Queue()
+        # Bounded: while the consumer is busy (writing a chunk), workers wait instead of piling up.
+        out: asyncio.Queue[ChatResult | None] = asyncio.Queue(maxsize=self.s.max_concurrency)
         lock = asyncio.Lock()
 
         async def worker() -> None:

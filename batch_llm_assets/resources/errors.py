@@ -8,6 +8,7 @@ import dagster as dg
 
 # Error codes written to result records (`error_class`), one per failure kind.
 EMPTY_PROMPT = "empty_prompt"
+PROMPT_RENDER = "prompt_render"
 CONTEXT_LENGTH = "context_length"
 DEADLINE_EXCEEDED = "deadline_exceeded"
 RATE_LIMITED = "rate_limited"

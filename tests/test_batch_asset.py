@@ -1,0 +1,268 @@
+"""The batch asset: materialise partitions against the simulator and DuckDB, rerun, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import dagster as dg
+import duckdb
+import pytest
+
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+from batch_llm_assets.demo_data import create_demo_table
+from batch_llm_assets.resources.errors import BatchLLMError
+
+from .conftest import SIM_KEY
+
+DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
+PROMPT = Prompt(system="Reply with one word.",
+                template="Headline: {{ headline }}\nAnswer with one of: positive, negative, neutral")
+
+
+def asset(**kw):
+    settings = dict(
+        name="sentiment",
+        source=SourceTable(table="news_headlines", partition_column="published_at",
+                           columns=["headline"]),
+        prompt=PROMPT,
+        output="news_sentiment",
+        params={"max_tokens": 5},
+        partitions_def=DAYS,
+        chunk_rows=40,
+    )
+    return build_llm_batch_asset(**(settings | kw))
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = str(tmp_path / "w.duckdb")
+    create_demo_table(path, days=3, per_day=60)
+    return path
+
+
+def resources(sim, db, **llm):
+    return {
+        "llm": LLMResource(base_url=sim.url, api_key=SIM_KEY, model="gpt-4o-mini",
+                           **({"max_attempts": 3} | llm)),
+        "warehouse": DuckDBWarehouse(database=db),
+    }
+
+
+def materialize(a, sim, db, key="2026-11-01", **llm):
+    return dg.materialize([a], resources=resources(sim, db, **llm), partition_key=key,
+                          raise_on_error=False)
+
+
+def metadata(result, name="sentiment"):
+    mats = result.asset_materializations_for_node(name)
+    return {k: v.value for k, v in mats[-1].metadata.items()}
+
+
+def query(db, sql):
+    con = duckdb.connect(db, read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def test_partition_rows_statuses_and_metadata(fresh_sim, db):
+    a = asset()
+    result = materialize(a, fresh_sim, db)
+    assert result.success
+    md = metadata(result)
+    assert md["rows_in"] == md["rows_ok"] == md["dagster/row_count"] == 60
+    assert md["rows_failed"] == 0 and md["rows_skipped"] == 0
+    assert md["prompt_tokens"] > 0 and md["completion_tokens"] >= 60
+    # gpt-4o-mini: $0.15 / $0.60 per 1M tokens
+    expected = (md["prompt_tokens"] * 0.15 + md["completion_tokens"] * 0.60) / 1e6
+    assert md["cost_usd"] == pytest.approx(expected, rel=1e-3)
+    assert 0 < md["latency_p50_ms"] <= md["latency_p95_ms"] <= md["latency_max_ms"]
+    for key in ("wall_s", "rows_per_s", "tokens_per_min", "rate_limit_wait_s", "retries", "http_429"):
+        assert isinstance(md[key], int | float)
+    assert "60" in md["summary"]
+    rows = query(db, "SELECT status, response, partition_key, model, request_hash FROM news_sentiment")
+    assert len(rows) == 60
+    assert {r[0] for r in rows} == {"ok"}
+    assert {r[1] for r in rows} <= {"positive", "negative", "neutral"}
+    assert {r[2] for r in rows} == {"2026-11-01"} and {r[3] for r in rows} == {"gpt-4o-mini"}
+    # Only the partition's slice was read: other days untouched.
+    assert fresh_sim.stats()["answered"] == 60
+    schema = a.specs_by_key[dg.AssetKey("sentiment")].metadata["dagster/column_schema"]
+    assert "request_hash" in {c.name for c in schema.columns}
+
+
+def test_rerun_is_idempotent_and_skips_done_rows(fresh_sim, db):
+    a = asset()
+    assert materialize(a, fresh_sim, db).success
+    second = materialize(a, fresh_sim, db)
+    assert second.success
+    md = metadata(second)
+    assert md["rows_skipped"] == 60 and md["rows_ok"] == 0 and md["dagster/row_count"] == 60
+    assert fresh_sim.stats()["answered"] == 60  # nothing was sent again
+    assert query(db, "SELECT count(*), count(DISTINCT id) FROM news_sentiment") == [(60, 60)]
+    # A changed prompt is different work: every row is sent again, still one row per id.
+    changed = asset(prompt=Prompt(template="Sentiment of: {{ headline }}"))
+    md = metadata(materialize(changed, fresh_sim, db))
+    assert md["rows_ok"] == 60 and md["rows_skipped"] == 0
+    assert query(db, "SELECT count(*), count(DISTINCT id) FROM news_sentiment") == [(60, 60)]
+
+
+def test_failed_rows_fail_the_run_after_writing_and_are_retried(fresh_sim, db):
+    fresh_sim.configure(fail_503=1.0)
+    first = materialize(asset(), fresh_sim, db, max_attempts=1)
+    assert not first.success
+    failure = first.get_step_failure_events()[0].step_failure_data.error
+    assert "server_error (60)" in failure.message and "60 of 60 rows failed" in failure.message
+    assert query(db, "SELECT status, error_class, count(*) FROM news_sentiment GROUP BY ALL") == [
+        ("failed", "server_error", 60)
+    ]
+    fresh_sim.configure(fail_503=0.0)
+    md = metadata(materialize(asset(), fresh_sim, db))
+    assert md["rows_ok"] == 60 and md["rows_skipped"] == 0
+    assert query(db, "SELECT status, count(*) FROM news_sentiment GROUP BY ALL") == [("ok", 60)]
+
+
+def test_failures_under_the_threshold_still_succeed(fresh_sim, db):
+    con = duckdb.connect(db)
+    con.execute("UPDATE news_headlines SET headline = NULL WHERE id = 1")
+    con.execute("UPDATE news_headlines SET headline = '   ' WHERE id = 2")
+    con.close()
+    result = materialize(asset(max_failed_fraction=0.05), fresh_sim, db)
+    assert result.success
+    md = metadata(result)
+    assert md["rows_ok"] == 58 and md["rows_failed"] == 2
+    rows = dict(query(db, "SELECT id, error FROM news_sentiment WHERE status = 'failed'"))
+    assert "NULL" in rows[1] and "not sent" in rows[1]
+    assert fresh_sim.stats()["received"] == 58  # the bad rows never reached the provider
+    assert not materialize(asset(max_failed_fraction=0.0), fresh_sim, db).success
+
+
+def test_prompt_over_the_context_window_fails_its_row_only(fresh_sim, db):
+    con = duckdb.connect(db)
+    con.execute("UPDATE news_headlines SET headline = repeat('word ', 5000) WHERE id = 3")
+    con.close()
+    md = metadata(materialize(asset(), fresh_sim, db, context_window=2000))
+    assert md["rows_failed"] == 1 and md["rows_ok"] == 59
+    assert query(db, "SELECT error_class FROM news_sentiment WHERE id = 3") == [("context_length",)]
+
+
+def test_unknown_price_is_reported_as_unknown(fresh_sim, db):
+    md = metadata(materialize(asset(model="sim-1"), fresh_sim, db))
+    assert md["cost_usd"] == "unknown" and md["rows_ok"] == 60
+    assert query(db, "SELECT count(cost_usd) FROM news_sentiment") == [(0,)]
+
+
+def test_static_partitions(fresh_sim, tmp_path):
+    path = str(tmp_path / "s.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE tickets (ticket_id INT, region VARCHAR, body VARCHAR)")
+    con.executemany("INSERT INTO tickets VALUES (?, ?, ?)",
+                    [(i, "eu" if i % 2 else "us", f"ticket {i}") for i in range(20)])
+    con.close()
+    a = build_llm_batch_asset(
+        name="triage", source=SourceTable(table="tickets", id_column="ticket_id",
+                                          partition_column="region"),
+        prompt="Classify: {{ body }}", output="triage_out",
+        partitions_def=dg.StaticPartitionsDefinition(["eu", "us"]),
+    )
+    result = dg.materialize([a], resources=resources(fresh_sim, path), partition_key="eu")
+    assert metadata(result, "triage")["rows_ok"] == 10
+    assert query(path, "SELECT min(id), max(id), count(*) FROM triage_out") == [(1, 19, 10)]
+
+
+@pytest.mark.parametrize("template,column", [("{{ headline }} {{ body }}", "body"),
+                                             ("{{ nope }}", "nope")])
+def test_unknown_column_is_an_error_at_definition_time(template, column):
+    with pytest.raises(BatchLLMError, match=f"unknown column.*{column}"):
+        asset(prompt=Prompt(template=template))
+
+
+def test_malformed_template_is_an_error_at_definition_time():
+    with pytest.raises(BatchLLMError, match="Malformed prompt template"):
+        asset(prompt=Prompt(template="{{ headline "))
+
+
+def test_missing_column_in_the_table_fails_before_any_request(fresh_sim, db):
+    a = asset(source=SourceTable(table="news_headlines", partition_column="published_at",
+                                 columns=["headline", "body"]),
+              prompt=Prompt(template="{{ headline }} {{ body }}"))
+    result = materialize(a, fresh_sim, db)
+    assert not result.success
+    assert "body" in result.get_step_failure_events()[0].step_failure_data.error.message
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+@pytest.mark.parametrize("bad", ['news"; DROP TABLE x; --', "news`s", "a.b.c.d", "t -- c", "x;y"])
+def test_unsafe_table_names_are_refused_and_nothing_is_written(bad, db):
+    with pytest.raises(BatchLLMError, match="Invalid table"):
+        asset(source=SourceTable(table=bad, partition_column="published_at", columns=["headline"]))
+    with pytest.raises(BatchLLMError, match="Invalid table"):
+        asset(output=bad)
+    assert query(db, "SELECT count(*) FROM information_schema.tables") == [(1,)]
+
+
+def test_sandbox_keeps_python_objects_out_of_reach(fresh_sim, db):
+    a = asset(prompt=Prompt(template="{{ headline.__class__.__mro__ }}"))
+    assert not materialize(a, fresh_sim, db).success
+    rows = query(db, "SELECT DISTINCT error_class, error FROM news_sentiment")
+    assert len(rows) == 1 and rows[0][0] == "prompt_render" and "not sent" in rows[0][1]
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+DEFS = """
+import dagster as dg
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+
+sentiment = build_llm_batch_asset(
+    name="sentiment",
+    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
+    prompt=Prompt(template="{{{{ headline }}}} Answer with one of: up, down"),
+    output="news_sentiment",
+    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04"),
+    chunk_rows=25,
+)
+defs = dg.Definitions(assets=[sentiment], resources={{
+    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini", max_concurrency=8),
+    "warehouse": DuckDBWarehouse(database="{db}"),
+}})
+"""
+
+
+def test_resume_after_sigkill_loses_nothing_and_resends_little(fresh_sim, tmp_path):
+    db = str(tmp_path / "k.duckdb")
+    create_demo_table(db, days=1, per_day=400)
+    defs = tmp_path / "defs.py"
+    defs.write_text(textwrap.dedent(DEFS.format(url=fresh_sim.url, key=SIM_KEY, db=db)))
+    fresh_sim.configure(latency_ms=60.0)  # ~130 rows/s with 8 in flight: a run of ~3 s
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
+    (tmp_path / "home").mkdir()
+    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-f", str(defs),
+           "--select", "sentiment", "--partition", "2026-11-01"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while fresh_sim.stats().get("answered", 0) < 150 and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the run and anything it started, mid-partition
+    proc.wait()
+    time.sleep(0.5)  # requests that were in flight finish at the simulator (and were paid)
+    answered_at_kill = fresh_sim.stats()["answered"]
+    assert 150 <= answered_at_kill < 400
+    written = query(db, "SELECT count(*) FROM news_sentiment")[0][0]
+    assert 0 < written <= answered_at_kill  # completed chunks were durable
+
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    ids = query(db, "SELECT count(*), count(DISTINCT id), min(id), max(id) FROM news_sentiment")
+    assert ids == [(400, 400, 1, 400)]  # no duplicate, no lost id
+    assert query(db, "SELECT DISTINCT status FROM news_sentiment") == [("ok",)]
+    # Only rows answered but not yet written when the run died were paid for twice.
+    resent = fresh_sim.stats()["answered"] - 400
+    assert resent <= answered_at_kill - written
+    # At most: an unwritten chunk, the engine's bounded result queue, and what was in flight.
+    assert resent <= 25 + 8 + 8
