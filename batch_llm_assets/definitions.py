@@ -39,6 +39,12 @@ headline_sentiment = build_llm_batch_asset(
 )
 
 
+# A job over the asset, for `dagster job backfill` and schedules.
+headline_sentiment_job = dg.define_asset_job(
+    "headline_sentiment_job", selection=[headline_sentiment], partitions_def=demo_partitions
+)
+
+
 def _int_env(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else None
@@ -46,6 +52,7 @@ def _int_env(name: str) -> int | None:
 
 defs = dg.Definitions(
     assets=[headline_sentiment],
+    jobs=[headline_sentiment_job],
     resources={
         "llm": LLMResource(
             base_url=os.environ.get("BATCH_LLM_BASE_URL", "http://127.0.0.1:8765/v1"),
