@@ -1,7 +1,7 @@
 """`make demo` and `make dev`: the demo asset on embedded defaults, end to end.
 
-    python -m batch_llm_assets.demo run [--partitions 3]   # materialise through the dagster CLI
-    python -m batch_llm_assets.demo dev                    # the same code location in `dagster dev`
+python -m batch_llm_assets.demo run [--partitions 3]   # materialise through the dagster CLI
+python -m batch_llm_assets.demo dev                    # the same code location in `dagster dev`
 """
 
 from __future__ import annotations
@@ -62,15 +62,31 @@ def _latest_metadata(partition: str) -> dict[str, float | int | str]:
 
 def run(partitions: int) -> int:
     _prepare()
-    keys = [(date.fromisoformat(DEMO_START) + timedelta(days=i)).isoformat() for i in range(partitions)]
+    keys = [
+        (date.fromisoformat(DEMO_START) + timedelta(days=i)).isoformat() for i in range(partitions)
+    ]
     summary = []
-    with SimulatorProcess(rpm=DEMO_RPM, tpm=DEMO_TPM, latency_ms=40) as sim, EmbeddedValkey() as valkey:
+    with (
+        SimulatorProcess(rpm=DEMO_RPM, tpm=DEMO_TPM, latency_ms=40) as sim,
+        EmbeddedValkey() as valkey,
+    ):
         env = _env(sim, valkey)
         for key in keys:
             before = sim.stats()
             started = time.monotonic()
-            cmd = [sys.executable, "-m", "dagster", "asset", "materialize",
-                   "-m", "batch_llm_assets.definitions", "--select", ASSET, "--partition", key]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dagster",
+                "asset",
+                "materialize",
+                "-m",
+                "batch_llm_assets.definitions",
+                "--select",
+                ASSET,
+                "--partition",
+                key,
+            ]
             print(f"$ dagster asset materialize --select {ASSET} --partition {key}", flush=True)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             elapsed = time.monotonic() - started
@@ -83,46 +99,91 @@ def run(partitions: int) -> int:
             md = _latest_metadata(key)
             wall = float(md.get("wall_s", elapsed))
             tokens = after.get("admitted_tokens", 0) - before.get("admitted_tokens", 0)
-            summary.append({
-                "partition": key,
-                "rows_in": md.get("rows_in"),
-                "rows_ok": md.get("rows_ok"),
-                "rows_failed": md.get("rows_failed"),
-                "rows_skipped": md.get("rows_skipped"),
-                "prompt_tokens": md.get("prompt_tokens"),
-                "completion_tokens": md.get("completion_tokens"),
-                "cost_usd": md.get("cost_usd"),
-                "wall_s": round(wall, 2),
-                "http_429": md.get("http_429"),
-                "limit_share": round(tokens / (DEMO_TPM / 60 * wall), 3) if wall > 0.5 else None,
-            })
+            summary.append(
+                {
+                    "partition": key,
+                    "rows_in": md.get("rows_in"),
+                    "rows_ok": md.get("rows_ok"),
+                    "rows_failed": md.get("rows_failed"),
+                    "rows_skipped": md.get("rows_skipped"),
+                    "prompt_tokens": md.get("prompt_tokens"),
+                    "completion_tokens": md.get("completion_tokens"),
+                    "cost_usd": md.get("cost_usd"),
+                    "wall_s": round(wall, 2),
+                    "http_429": md.get("http_429"),
+                    "limit_share": round(tokens / (DEMO_TPM / 60 * wall), 3)
+                    if wall > 0.5
+                    else None,
+                }
+            )
     (DEMO_DIR / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_table(summary)
-    print(f"\nwritten: {DEMO_DIR / 'summary.json'}; results in table news_sentiment of "
-          f"{DEMO_DIR / 'warehouse.duckdb'}")
+    print(
+        f"\nwritten: {DEMO_DIR / 'summary.json'}; results in table news_sentiment of "
+        f"{DEMO_DIR / 'warehouse.duckdb'}"
+    )
     return 0
 
 
 def _print_table(rows: list[dict]) -> None:
-    cols = ["partition", "rows_in", "rows_ok", "rows_failed", "rows_skipped", "prompt_tokens",
-            "completion_tokens", "cost_usd", "wall_s", "http_429", "limit_share"]
-    heads = ["partition", "rows", "ok", "failed", "skipped", "tok in", "tok out", "cost $",
-             "wall s", "429s", "TPM used"]
-    cells = [[("-" if r[c] is None else f"{r[c]:.5f}" if c == "cost_usd" and
-               isinstance(r[c], float) else f"{r[c]:.0%}" if c == "limit_share" else str(r[c]))
-              for c in cols] for r in rows]
+    cols = [
+        "partition",
+        "rows_in",
+        "rows_ok",
+        "rows_failed",
+        "rows_skipped",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_usd",
+        "wall_s",
+        "http_429",
+        "limit_share",
+    ]
+    heads = [
+        "partition",
+        "rows",
+        "ok",
+        "failed",
+        "skipped",
+        "tok in",
+        "tok out",
+        "cost $",
+        "wall s",
+        "429s",
+        "TPM used",
+    ]
+    cells = [
+        [
+            (
+                "-"
+                if r[c] is None
+                else f"{r[c]:.5f}"
+                if c == "cost_usd" and isinstance(r[c], float)
+                else f"{r[c]:.0%}"
+                if c == "limit_share"
+                else str(r[c])
+            )
+            for c in cols
+        ]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
     print()
     print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
     for row in cells:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-    print(f"(simulated provider limits: {DEMO_RPM} requests/min, {DEMO_TPM} tokens/min; "
-          "'TPM used' = tokens the provider admitted / its limit over the run)")
+    print(
+        f"(simulated provider limits: {DEMO_RPM} requests/min, {DEMO_TPM} tokens/min; "
+        "'TPM used' = tokens the provider admitted / its limit over the run)"
+    )
 
 
 def dev() -> int:
     _prepare()
-    with SimulatorProcess(rpm=DEMO_RPM, tpm=DEMO_TPM, latency_ms=40) as sim, EmbeddedValkey() as valkey:
+    with (
+        SimulatorProcess(rpm=DEMO_RPM, tpm=DEMO_TPM, latency_ms=40) as sim,
+        EmbeddedValkey() as valkey,
+    ):
         env = _env(sim, valkey)
         print(f"simulator at {sim.url}, valkey at {valkey.url}; starting dagster dev", flush=True)
         cmd = [sys.executable, "-m", "dagster", "dev", "-m", "batch_llm_assets.definitions"]

@@ -13,22 +13,31 @@ import dagster as dg
 import duckdb
 import pytest
 
-from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+from batch_llm_assets import (
+    DuckDBWarehouse,
+    LLMResource,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+)
 from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.resources.errors import BatchLLMError
 
 from .conftest import SIM_KEY
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
-PROMPT = Prompt(system="Reply with one word.",
-                template="Headline: {{ headline }}\nAnswer with one of: positive, negative, neutral")
+PROMPT = Prompt(
+    system="Reply with one word.",
+    template="Headline: {{ headline }}\nAnswer with one of: positive, negative, neutral",
+)
 
 
 def asset(**kw):
     settings = dict(
         name="sentiment",
-        source=SourceTable(table="news_headlines", partition_column="published_at",
-                           columns=["headline"]),
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
         prompt=PROMPT,
         output="news_sentiment",
         params={"max_tokens": 5},
@@ -47,15 +56,17 @@ def db(tmp_path):
 
 def resources(sim, db, **llm):
     return {
-        "llm": LLMResource(base_url=sim.url, api_key=SIM_KEY, model="gpt-4o-mini",
-                           **({"max_attempts": 3} | llm)),
+        "llm": LLMResource(
+            base_url=sim.url, api_key=SIM_KEY, model="gpt-4o-mini", **({"max_attempts": 3} | llm)
+        ),
         "warehouse": DuckDBWarehouse(database=db),
     }
 
 
 def materialize(a, sim, db, key="2026-11-01", **llm):
-    return dg.materialize([a], resources=resources(sim, db, **llm), partition_key=key,
-                          raise_on_error=False)
+    return dg.materialize(
+        [a], resources=resources(sim, db, **llm), partition_key=key, raise_on_error=False
+    )
 
 
 def metadata(result, name="sentiment"):
@@ -83,10 +94,19 @@ def test_partition_rows_statuses_and_metadata(fresh_sim, db):
     expected = (md["prompt_tokens"] * 0.15 + md["completion_tokens"] * 0.60) / 1e6
     assert md["cost_usd"] == pytest.approx(expected, rel=1e-3)
     assert 0 < md["latency_p50_ms"] <= md["latency_p95_ms"] <= md["latency_max_ms"]
-    for key in ("wall_s", "rows_per_s", "tokens_per_min", "rate_limit_wait_s", "retries", "http_429"):
+    for key in (
+        "wall_s",
+        "rows_per_s",
+        "tokens_per_min",
+        "rate_limit_wait_s",
+        "retries",
+        "http_429",
+    ):
         assert isinstance(md[key], int | float)
     assert "60" in md["summary"]
-    rows = query(db, "SELECT status, response, partition_key, model, request_hash FROM news_sentiment")
+    rows = query(
+        db, "SELECT status, response, partition_key, model, request_hash FROM news_sentiment"
+    )
     assert len(rows) == 60
     assert {r[0] for r in rows} == {"ok"}
     assert {r[1] for r in rows} <= {"positive", "negative", "neutral"}
@@ -162,13 +182,16 @@ def test_static_partitions(fresh_sim, tmp_path):
     path = str(tmp_path / "s.duckdb")
     con = duckdb.connect(path)
     con.execute("CREATE TABLE tickets (ticket_id INT, region VARCHAR, body VARCHAR)")
-    con.executemany("INSERT INTO tickets VALUES (?, ?, ?)",
-                    [(i, "eu" if i % 2 else "us", f"ticket {i}") for i in range(20)])
+    con.executemany(
+        "INSERT INTO tickets VALUES (?, ?, ?)",
+        [(i, "eu" if i % 2 else "us", f"ticket {i}") for i in range(20)],
+    )
     con.close()
     a = build_llm_batch_asset(
-        name="triage", source=SourceTable(table="tickets", id_column="ticket_id",
-                                          partition_column="region"),
-        prompt="Classify: {{ body }}", output="triage_out",
+        name="triage",
+        source=SourceTable(table="tickets", id_column="ticket_id", partition_column="region"),
+        prompt="Classify: {{ body }}",
+        output="triage_out",
         partitions_def=dg.StaticPartitionsDefinition(["eu", "us"]),
     )
     result = dg.materialize([a], resources=resources(fresh_sim, path), partition_key="eu")
@@ -176,8 +199,9 @@ def test_static_partitions(fresh_sim, tmp_path):
     assert query(path, "SELECT min(id), max(id), count(*) FROM triage_out") == [(1, 19, 10)]
 
 
-@pytest.mark.parametrize("template,column", [("{{ headline }} {{ body }}", "body"),
-                                             ("{{ nope }}", "nope")])
+@pytest.mark.parametrize(
+    "template,column", [("{{ headline }} {{ body }}", "body"), ("{{ nope }}", "nope")]
+)
 def test_unknown_column_is_an_error_at_definition_time(template, column):
     with pytest.raises(BatchLLMError, match=f"unknown column.*{column}"):
         asset(prompt=Prompt(template=template))
@@ -189,9 +213,12 @@ def test_malformed_template_is_an_error_at_definition_time():
 
 
 def test_missing_column_in_the_table_fails_before_any_request(fresh_sim, db):
-    a = asset(source=SourceTable(table="news_headlines", partition_column="published_at",
-                                 columns=["headline", "body"]),
-              prompt=Prompt(template="{{ headline }} {{ body }}"))
+    a = asset(
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline", "body"]
+        ),
+        prompt=Prompt(template="{{ headline }} {{ body }}"),
+    )
     result = materialize(a, fresh_sim, db)
     assert not result.success
     assert "body" in result.get_step_failure_events()[0].step_failure_data.error.message
@@ -242,10 +269,22 @@ def test_resume_after_sigkill_loses_nothing_and_resends_little(fresh_sim, tmp_pa
     fresh_sim.configure(latency_ms=60.0)  # ~130 rows/s with 8 in flight: a run of ~3 s
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
     (tmp_path / "home").mkdir()
-    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-f", str(defs),
-           "--select", "sentiment", "--partition", "2026-11-01"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-f",
+        str(defs),
+        "--select",
+        "sentiment",
+        "--partition",
+        "2026-11-01",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 120
     while fresh_sim.stats().get("answered", 0) < 150 and time.time() < deadline:
         time.sleep(0.05)

@@ -9,13 +9,19 @@ import textwrap
 
 import tiktoken
 
-from batch_llm_assets.resources.tokens import count_prompt_tokens, encoding_for, requested_max_tokens
+from batch_llm_assets.resources.tokens import (
+    count_prompt_tokens,
+    encoding_for,
+    requested_max_tokens,
+)
 
 
 def test_counts_follow_openais_chat_accounting():
     enc = tiktoken.get_encoding("o200k_base")
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Héllo wörld 👋 مرحبا", "name": "alice"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Héllo wörld 👋 مرحبا", "name": "alice"},
+    ]
     expected = 3  # reply priming
     for m in messages:
         expected += 3 + len(enc.encode(m["role"])) + len(enc.encode(m["content"]))
@@ -39,8 +45,12 @@ def test_answer_budget():
 
 def test_without_encoding_files_it_overestimates_from_characters_and_warns_once(tmp_path):
     # No cached files and no way to download them (a proxy that refuses): the real offline case.
-    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9",
-           "HTTP_PROXY": "http://127.0.0.1:9"}
+    env = {
+        **os.environ,
+        "TIKTOKEN_CACHE_DIR": str(tmp_path),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+    }
     code = textwrap.dedent("""
         import logging
         logging.basicConfig(level=logging.WARNING)
@@ -49,8 +59,9 @@ def test_without_encoding_files_it_overestimates_from_characters_and_warns_once(
         print(count_prompt_tokens([{"role": "user", "content": text}], "gpt-4o-mini"))
         print(count_prompt_tokens([{"role": "user", "content": text}], "gpt-4o-mini"))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     first, second = (int(x) for x in proc.stdout.split())
     true_count = count_prompt_tokens(
