@@ -1,5 +1,6 @@
 """The partitioned LLM batch asset factory, its prompt templates, prices and metadata."""
 
+from .checks import build_llm_batch_checks
 from .factory import SourceTable, build_llm_batch_asset
 from .pricing import PRICES_PER_1M, price_for
 from .prompt import Prompt, PromptError
@@ -10,5 +11,6 @@ __all__ = [
     "PromptError",
     "SourceTable",
     "build_llm_batch_asset",
+    "build_llm_batch_checks",
     "price_for",
 ]

@@ -1,5 +1,6 @@
 """build_llm_batch_asset: a partitioned asset that runs an LLM over every row of a table slice."""
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,9 @@ DEFAULT_CHUNK_ROWS = 1000
 class SourceTable:
     """The input: table, its unique id column, the partition column and the prompt's columns.
 
-    `columns` defaults to the columns the prompt names.
+    `columns` defaults to the columns the prompt names. A `table` whose last part is
+    `{partition_key}` (e.g. "research.{partition_key}") reads one whole table per partition:
+    the pattern for dynamic partitions added by the new-input-tables sensor.
     """
 
     table: str
@@ -30,10 +33,17 @@ class SourceTable:
     columns: Sequence[str] = field(default_factory=tuple)
 
 
-def _slice_for(context: dg.AssetExecutionContext, column: str | None) -> tuple[SliceFilter, str]:
+TABLE_PER_PARTITION = "{partition_key}"
+
+
+def _slice_for(
+    context: dg.AssetExecutionContext, column: str | None, per_partition: bool
+) -> tuple[SliceFilter, str]:
     if not context.has_partition_key:
         return SliceFilter(), "__all__"
     key = context.partition_key
+    if per_partition:
+        return SliceFilter(label=key), key
     if column is None:
         raise BatchLLMError(description="A partitioned asset needs source.partition_column.")
     if isinstance(context.assets_def.partitions_def, dg.TimeWindowPartitionsDefinition):
@@ -68,7 +78,8 @@ def build_llm_batch_asset(
     that it names only known columns, and the settings' ranges.
     """
     check_identifier(name, "asset")
-    check_table(source.table)
+    per_partition = source.table.endswith(TABLE_PER_PARTITION)
+    check_table(source.table.replace(TABLE_PER_PARTITION, "t"))
     check_table(output)
     check_identifier(source.id_column, "id column")
     if source.partition_column is not None:
@@ -87,7 +98,7 @@ def build_llm_batch_asset(
         raise BatchLLMError(description=f"chunk_rows must be >= 1, got {chunk_rows}")
     if partitions_def is None:
         partitions_def = dg.DailyPartitionsDefinition(start_date="2019-01-01")
-    if partitions_def is not None and source.partition_column is None:
+    if source.partition_column is None and not per_partition:
         raise BatchLLMError(
             description=f"Asset {name!r} is partitioned: set source.partition_column."
         )
@@ -115,6 +126,7 @@ def build_llm_batch_asset(
         kinds={"python", "openai"},
         metadata={
             "batch_llm/source_table": source.table,
+            "batch_llm/table_per_partition": per_partition,
             "batch_llm/output_table": output,
             "batch_llm/prompt_template": prompt.template,
             "batch_llm/model": model or "(resource default)",
@@ -124,9 +136,16 @@ def build_llm_batch_asset(
     def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         llm: LLMResource = getattr(context.resources, llm_resource_key)
         warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
-        where, partition_key = _slice_for(context, source.partition_column)
+        where, partition_key = _slice_for(context, source.partition_column, per_partition)
+        run_spec = spec
+        if per_partition:  # the partition names the table; checked like any table name
+            table = source.table.replace(TABLE_PER_PARTITION, partition_key)
+            check_table(table)
+            run_spec = dataclasses.replace(
+                spec, source=dataclasses.replace(spec.source, table=table)
+            )
         with warehouse.session() as session:
-            run = PartitionRun(spec, llm, session, where, partition_key, context.log)
+            run = PartitionRun(run_spec, llm, session, where, partition_key, context.log)
             stats = run.run()
             row_count = session.count_output(output, partition_key)
         metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)

@@ -167,3 +167,18 @@ class DuckDBSession(WarehouseSession):
         return self.conn.execute(
             f"SELECT count(*) FROM {_qt(table)} WHERE partition_key = ?", [partition_key]
         ).fetchone()[0]
+
+    def list_tables(self, dataset: str, limit: int) -> list[str]:
+        check_identifier(dataset, "dataset (schema)")
+        with self._lock:
+            exists = self.conn.execute(
+                "SELECT count(*) FROM information_schema.schemata WHERE schema_name = ?", [dataset]
+            ).fetchone()[0]
+            if not exists:
+                raise BatchLLMError(description=f"Dataset (schema) {dataset!r} does not exist.")
+            rows = self.conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = ? "
+                "ORDER BY table_name LIMIT ?",
+                [dataset, limit],
+            ).fetchall()
+        return [r[0] for r in rows]

@@ -200,7 +200,8 @@ class Engine:
                 if self.limiter is not None:
                     grant = await self.limiter.acquire(estimate, deadline=deadline)
                     if deadline is not None and time.monotonic() + grant.wait_s > deadline:
-                        await self.limiter.reconcile(-estimate, -1)
+                        if grant.granted:  # a deferral held no shared slot: nothing to give back
+                            await self.limiter.reconcile(-estimate, -1)
                         return self._deadline(req, attempt, last, waited, n429, estimate)
                     if grant.wait_s > 0:
                         waited += grant.wait_s

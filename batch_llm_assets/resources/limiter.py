@@ -38,6 +38,7 @@ class Grant:
 
     wait_s: float
     factor: float
+    granted: bool
     share: float
     active_jobs: int
 
@@ -136,7 +137,7 @@ class RedisLimiter:
         ticket = 0
         while True:
             granted, wait_us, factor, share, active = await self._call("acquire", tokens, ticket)
-            grant = Grant(wait_us / 1e6, factor / 1e6, share / 1e6, int(active))
+            grant = Grant(wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active))
             if granted or (deadline is not None and time.monotonic() + grant.wait_s > deadline):
                 return grant
             # Over our share while the bucket is saturated: our slot is reserved; come back then.

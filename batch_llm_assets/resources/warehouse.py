@@ -102,6 +102,10 @@ class WarehouseSession(abc.ABC):
     def count_output(self, table: str, partition_key: str) -> int:
         """Output rows of one partition."""
 
+    @abc.abstractmethod
+    def list_tables(self, dataset: str, limit: int) -> list[str]:
+        """Up to `limit` table names of a dataset (schema), sorted; an error if it is missing."""
+
 
 class Warehouse(abc.ABC):
     """A resource that can open a WarehouseSession."""

@@ -1,0 +1,263 @@
+"""Sensors, schedules, notifications and checks, evaluated with Dagster's own test contexts."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from datetime import UTC, datetime
+
+import dagster as dg
+import duckdb
+import pytest
+
+from batch_llm_assets import (
+    DuckDBWarehouse,
+    LLMResource,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+)
+from batch_llm_assets.assets import build_llm_batch_checks
+from batch_llm_assets.demo_data import create_demo_table
+from batch_llm_assets.resources.errors import BatchLLMError
+from batch_llm_assets.sensors import (
+    build_latest_partition_schedule,
+    build_new_input_tables_sensor,
+    build_run_notification_sensors,
+)
+
+from .conftest import SIM_KEY
+
+TABLES = dg.DynamicPartitionsDefinition(name="input_tables")
+
+
+def table_asset(**kw):
+    return build_llm_batch_asset(
+        name="incoming_sentiment",
+        source=SourceTable(table="incoming.{partition_key}", columns=["headline"]),
+        prompt=Prompt(template="{{ headline }} Answer with one of: up, down"),
+        output="incoming_sentiment",
+        partitions_def=TABLES,
+        **kw,
+    )
+
+
+@pytest.fixture
+def incoming(tmp_path):
+    path = str(tmp_path / "in.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE SCHEMA incoming")
+    for name in ("headlines_20261101", "headlines_20261102", "notes"):
+        con.execute(
+            f"CREATE TABLE incoming.{name} AS SELECT range + 1 AS id, "
+            "'headline ' || range AS headline FROM range(5)"
+        )
+    con.close()
+    return path
+
+
+def tick(sensor, instance, db, cursor=None):
+    resources = {"warehouse": DuckDBWarehouse(database=db), "llm": LLMResource()}
+    defs = dg.Definitions(assets=[table_asset()], sensors=[sensor], resources=resources)
+    with dg.build_sensor_context(
+        instance=instance, cursor=cursor, resources=resources, definitions=defs
+    ) as ctx:
+        return sensor(ctx)
+
+
+def test_new_tables_become_partitions_and_runs_exactly_once(incoming):
+    asset = table_asset()
+    sensor = build_new_input_tables_sensor(
+        asset=asset, dataset="incoming", table_pattern=r"headlines_\d{8}", max_tables_per_tick=1
+    )
+    with dg.instance_for_test() as instance:
+        first = tick(sensor, instance, incoming)
+        assert [r.partition_key for r in first.run_requests] == ["headlines_20261101"]
+        assert first.dynamic_partitions_requests[0].partition_keys == ["headlines_20261101"]
+        instance.add_dynamic_partitions("input_tables", ["headlines_20261101"])  # as the daemon
+        second = tick(sensor, instance, incoming, cursor=first.cursor)
+        assert [r.partition_key for r in second.run_requests] == ["headlines_20261102"]
+        instance.add_dynamic_partitions("input_tables", ["headlines_20261102"])
+        # A restart with a lost (or garbled) cursor launches nothing twice.
+        for cursor in (None, "not json", second.cursor):
+            again = tick(sensor, instance, incoming, cursor=cursor)
+            assert not again.run_requests and "No new tables" in again.skip_reason.skip_message
+        assert json.loads(second.cursor)["tables_seen"] == 2
+        # The run request's key is the table: Dagster itself refuses to launch a key twice.
+        assert first.run_requests[0].run_key == "table:headlines_20261101"
+
+
+def test_a_new_partition_reads_its_whole_table(incoming, fresh_sim):
+    asset = table_asset()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("input_tables", ["headlines_20261102"])
+        result = dg.materialize(
+            [asset],
+            instance=instance,
+            partition_key="headlines_20261102",
+            resources={
+                "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1"),
+                "warehouse": DuckDBWarehouse(database=incoming),
+            },
+        )
+        md = result.asset_materializations_for_node("incoming_sentiment")[0].metadata
+        assert md["rows_ok"].value == 5
+
+
+def test_sensor_errors_are_clear(incoming):
+    with pytest.raises(BatchLLMError, match="not a valid regular expression"):
+        build_new_input_tables_sensor(asset=table_asset(), dataset="incoming", table_pattern="(")
+    with pytest.raises(BatchLLMError, match="Invalid dataset"):
+        build_new_input_tables_sensor(asset=table_asset(), dataset="x; drop", table_pattern=".*")
+    daily = build_llm_batch_asset(
+        name="d",
+        source=SourceTable(table="t", partition_column="day", columns=["x"]),
+        prompt="{{ x }}",
+        output="o",
+    )
+    with pytest.raises(BatchLLMError, match="DynamicPartitionsDefinition"):
+        build_new_input_tables_sensor(asset=daily, dataset="incoming", table_pattern=".*")
+    sensor = build_new_input_tables_sensor(
+        asset=table_asset(), dataset="missing", table_pattern=".*"
+    )
+    with dg.instance_for_test() as instance:
+        result = tick(sensor, instance, incoming)
+        assert "'missing' does not exist" in result.skip_message
+
+
+def test_schedule_targets_the_latest_complete_day():
+    asset = build_llm_batch_asset(
+        name="daily_sentiment",
+        source=SourceTable(table="news", partition_column="published_at", columns=["headline"]),
+        prompt="{{ headline }}",
+        output="out",
+        partitions_def=dg.DailyPartitionsDefinition(start_date="2026-01-01"),
+    )
+    schedule = build_latest_partition_schedule(asset=asset, hour_of_day=2)
+    defs = dg.Definitions(
+        assets=[asset],
+        schedules=[schedule],
+        resources={"llm": LLMResource(), "warehouse": DuckDBWarehouse(database=":memory:")},
+    )
+    resolved = defs.get_schedule_def("daily_sentiment_latest_partition")
+    assert resolved.cron_schedule == "0 2 * * *"
+    ctx = dg.build_schedule_context(scheduled_execution_time=datetime(2026, 11, 5, 2, tzinfo=UTC))
+    requests = resolved.evaluate_tick(ctx).run_requests
+    assert [r.partition_key for r in requests] == ["2026-11-04"]
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    posts: list = []
+    fail_first = 0
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if _Receiver.fail_first > 0:
+            _Receiver.fail_first -= 1
+            self.send_response(503)
+            self.end_headers()
+            return
+        _Receiver.posts.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def receiver():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    _Receiver.posts, _Receiver.fail_first = [], 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/T000/B000/secret-token"
+    server.shutdown()
+
+
+def _daily_asset(**kw):
+    return build_llm_batch_asset(
+        name="sentiment",
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt="Headline: {{ headline }}. Answer with one of: up, down",
+        output="news_sentiment",
+        partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03"),
+        **kw,
+    )
+
+
+def test_notification_posts_the_runs_figures_with_retries(receiver, fresh_sim, tmp_path):
+    db = str(tmp_path / "n.duckdb")
+    create_demo_table(db, days=2, per_day=20)
+    secret = "sk-notify-secret-key-123456"
+    fresh_sim.configure(api_key=secret)
+    on_success, on_failure = build_run_notification_sensors(
+        webhook_url=receiver, dagster_url="http://dagster.example:3000"
+    )
+    resources = {
+        "llm": LLMResource(
+            base_url=fresh_sim.url, api_key=secret, model="gpt-4o-mini", max_attempts=1
+        ),
+        "warehouse": DuckDBWarehouse(database=db),
+    }
+    with dg.instance_for_test() as instance:
+        ok = dg.materialize(
+            [_daily_asset()], instance=instance, resources=resources, partition_key="2026-11-01"
+        )
+        _Receiver.fail_first = 1  # the webhook fails once: the post is retried
+        on_success(
+            dg.build_run_status_sensor_context(
+                sensor_name=on_success.name,
+                dagster_instance=instance,
+                dagster_run=ok.dagster_run,
+                dagster_event=ok.get_run_success_event(),
+            )
+        )
+        fresh_sim.configure(fail_503=1.0)
+        bad = dg.materialize(
+            [_daily_asset()],
+            instance=instance,
+            resources=resources,
+            partition_key="2026-11-02",
+            raise_on_error=False,
+        )
+        on_failure(
+            dg.build_run_status_sensor_context(
+                sensor_name=on_failure.name,
+                dagster_instance=instance,
+                dagster_run=bad.dagster_run,
+                dagster_event=bad.get_run_failure_event(),
+            ).for_run_failure()
+        )
+    assert len(_Receiver.posts) == 2
+    success, failure = (p["text"] for p in _Receiver.posts)
+    assert "success" in success and "sentiment [2026-11-01]: 20 ok, 0 failed" in success
+    assert "cost $0.00" in success
+    assert f"http://dagster.example:3000/runs/{ok.dagster_run.run_id}" in success
+    assert "failure" in failure and "0 ok, 20 failed" in failure
+    for text in (success, failure):
+        assert secret not in text and "secret-token" not in text
+
+
+def test_checks_pass_and_fail_on_the_latest_materialization(fresh_sim, tmp_path):
+    db = str(tmp_path / "c.duckdb")
+    create_demo_table(db, days=1, per_day=20)
+    con = duckdb.connect(db)
+    con.execute("UPDATE news_headlines SET headline = NULL WHERE id = 1")
+    con.close()
+    asset = _daily_asset(max_failed_fraction=0.5)
+    strict = build_llm_batch_checks(asset, max_failed_fraction=0.01)
+    result = dg.materialize(
+        [asset, *strict],
+        partition_key="2026-11-01",
+        resources={
+            "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1"),
+            "warehouse": DuckDBWarehouse(database=db),
+        },
+    )
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert evaluations["row_count_matches_input"].passed
+    assert not evaluations["failed_fraction"].passed  # 1 of 20 failed: 5 % > 1 %
+    assert evaluations["failed_fraction"].metadata["rows_failed"].value == 1
