@@ -18,6 +18,14 @@ from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
 SIM_KEY = "sk-sim-test-0123456789abcdef"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def journal_dir(tmp_path_factory):
+    """Result journals of killed runs stay inside this test session."""
+    path = tmp_path_factory.mktemp("journal")
+    os.environ["BATCH_LLM_JOURNAL_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def valkey_url():
     with EmbeddedValkey() as server:

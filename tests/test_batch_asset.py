@@ -294,7 +294,7 @@ def test_resume_after_sigkill_loses_nothing_and_resends_little(fresh_sim, tmp_pa
     answered_at_kill = fresh_sim.stats()["answered"]
     assert 150 <= answered_at_kill < 400
     written = query(db, "SELECT count(*) FROM news_sentiment")[0][0]
-    assert 0 < written <= answered_at_kill  # completed chunks were durable
+    assert written <= answered_at_kill
 
     assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     ids = query(db, "SELECT count(*), count(DISTINCT id), min(id), max(id) FROM news_sentiment")
@@ -303,5 +303,6 @@ def test_resume_after_sigkill_loses_nothing_and_resends_little(fresh_sim, tmp_pa
     # Only rows answered but not yet written when the run died were paid for twice.
     resent = fresh_sim.stats()["answered"] - 400
     assert resent <= answered_at_kill - written
-    # At most: an unwritten chunk, the engine's bounded result queue, and what was in flight.
-    assert resent <= 25 + 8 + 8
+    # Answers that arrived before the kill were journaled and recovered: only answers still in
+    # the socket when the process died (at most the 8 in flight) can have been paid twice.
+    assert resent <= 8

@@ -145,7 +145,9 @@ def build_llm_batch_asset(
                 spec, source=dataclasses.replace(spec.source, table=table)
             )
         with warehouse.session() as session:
-            run = PartitionRun(run_spec, llm, session, where, partition_key, context.log)
+            run = PartitionRun(
+                run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
+            )
             stats = run.run()
             row_count = session.count_output(output, partition_key)
         metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)

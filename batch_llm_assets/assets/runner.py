@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -18,6 +19,7 @@ from ..resources import errors as E
 from ..resources.engine import ChatRequest, ChatResult
 from ..resources.llm import LLMResource
 from ..resources.warehouse import SliceFilter, SourceRef, WarehouseSession
+from .journal import ResultJournal, default_journal_dir
 from .pricing import cost_usd, price_for
 from .prompt import CompiledPrompt
 
@@ -90,6 +92,8 @@ class PartitionRun:
         where: SliceFilter,
         partition_key: str,
         log: Any,
+        warehouse_identity: str = "",
+        journal_dir: Path | None = None,
     ) -> None:
         self.spec = spec
         self.llm = llm
@@ -105,6 +109,11 @@ class PartitionRun:
             output_override=llm.price_output_per_1m,
         )
         self.stats = RunStats(cost_usd=0.0 if self.price is not None else None)
+        self.journal = ResultJournal(
+            journal_dir or default_journal_dir(),
+            f"{warehouse_identity}|{spec.output_table}",
+            partition_key,
+        )
         self._hashes: dict[Any, str] = {}
 
     # -- checks before any request ---------------------------------------------------------
@@ -125,6 +134,17 @@ class PartitionRun:
             )
         self.stats.rows_in = rows
         self.db.ensure_output(self.spec.output_table, src)
+        recovered = self.journal.recover()
+        if recovered:
+            for i in range(0, len(recovered), self.spec.chunk_rows):
+                self.db.write_results(
+                    self.spec.output_table, recovered[i : i + self.spec.chunk_rows]
+                )
+            self.log.info(
+                f"partition {self.partition_key}: recovered {len(recovered)} results of a run "
+                "that stopped before writing them"
+            )
+        self.journal.clear()
 
     # -- the run -----------------------------------------------------------------------------
     def _requests(self) -> Iterator[ChatRequest]:
@@ -173,7 +193,9 @@ class PartitionRun:
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
             results: AsyncIterator[ChatResult] = engine.map(_threaded(self._requests()))
             async for result in results:
-                buffer.append(self._row(result, datetime.now(UTC)))
+                row = self._row(result, datetime.now(UTC))
+                self.journal.append(row)
+                buffer.append(row)
                 now = time.monotonic()
                 # Durable often: what a crash loses (and a rerun pays again) is this buffer.
                 if len(buffer) >= self.spec.chunk_rows or now - flushed >= FLUSH_EVERY_S:
@@ -188,6 +210,7 @@ class PartitionRun:
             self.stats.aborted = engine.aborted_reason
         if buffer:
             await asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
+        self.journal.clear()  # everything is in the warehouse now
         self.stats.wall_s = time.monotonic() - started
 
     def _progress(self, elapsed: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,6 +37,9 @@ def _qt(table: str) -> str:
 
 class DuckDBWarehouse(DuckDBResource, Warehouse):
     """DuckDB as the batch asset's warehouse: one file, one writer at a time."""
+
+    def identity(self) -> str:
+        return f"duckdb:{os.path.abspath(self.database)}"
 
     @contextlib.contextmanager
     def session(self) -> Iterator[DuckDBSession]:

@@ -113,6 +113,10 @@ class Warehouse(abc.ABC):
     @abc.abstractmethod
     def session(self) -> AbstractContextManager[WarehouseSession]: ...
 
+    def identity(self) -> str:
+        """Which warehouse this is (a file, a project): keeps local journals apart."""
+        return type(self).__name__
+
 
 OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("partition_key", "string"),

@@ -430,7 +430,11 @@ def _digest(messages: list[dict[str, Any]]) -> str:
 async def start_site(
     sim: Simulator, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(sim.app(), access_log=None, handle_signals=False)
+    # A client that hangs up before its answer gets none, like a real provider's dropped stream;
+    # so `answered` counts answers that reached a client.
+    runner = web.AppRunner(
+        sim.app(), access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
