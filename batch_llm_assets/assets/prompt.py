@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
 from jinja2.sandbox import SandboxedEnvironment
 
 from ..resources.errors import EMPTY_PROMPT, PROMPT_RENDER, BatchLLMError
@@ -33,11 +33,17 @@ class Prompt:
             if not isinstance(text, str) or (label == "template" and not text.strip()):
                 raise PromptError(description=f"Prompt {label} must be a non-empty string.")
             try:
-                names |= meta.find_undeclared_variables(_ENV.parse(text))
+                ast = _ENV.parse(text)
             except jinja2.TemplateSyntaxError as exc:
                 raise PromptError(
                     description=f"Malformed prompt {label} (line {exc.lineno}): {exc.message}"
                 ) from None
+            if any(ast.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends))):
+                raise PromptError(
+                    description=f"Prompt {label} may not include, import or extend other "
+                    "templates: a prompt sees only its row's columns."
+                )
+            names |= meta.find_undeclared_variables(ast)
         return names
 
 
@@ -67,12 +73,16 @@ class CompiledPrompt:
         blanks = [c for c in self.used if isinstance(row[c], str) and not row[c].strip()]
         if blanks:
             return None, (EMPTY_PROMPT, f"column(s) {blanks} are empty")
+        # Bytes (a BLOB column, a mis-declared encoding) are text with bad bytes replaced.
+        row = {
+            k: v.decode("utf-8", "replace") if isinstance(v, bytes) else v for k, v in row.items()
+        }
         try:
             user = self._user.render(row)
             messages = []
             if self._system is not None:
                 messages.append({"role": "system", "content": self._system.render(row)})
-        except jinja2.TemplateError as exc:  # includes the sandbox's SecurityError
+        except Exception as exc:  # the sandbox's SecurityError, undefined names, bad filters
             return None, (PROMPT_RENDER, f"prompt could not be rendered: {exc}")
         if not user.strip():
             return None, (EMPTY_PROMPT, "rendered prompt is empty")

