@@ -12,18 +12,13 @@ state; unset: a private embedded Valkey per run), BATCH_LLM_DUCKDB (the warehous
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import dagster as dg
 
 from .components import load_defs_folder
 from .resources import LLMResource
 from .resources.duckdb_warehouse import DuckDBWarehouse
-
-if TYPE_CHECKING:
-    from dagster._core.definitions.unresolved_asset_job_definition import (
-        UnresolvedAssetJobDefinition,
-    )
 
 
 def _int_env(name: str) -> int | None:
@@ -47,7 +42,7 @@ _resources = {
 }
 
 
-def _load() -> tuple[dg.Definitions, dg.AssetsDefinition, UnresolvedAssetJobDefinition]:
+def _load() -> tuple[dg.Definitions, dg.AssetsDefinition, Any]:
     """The YAML-declared defs plus the resources; and the demo asset and its job in them.
 
     (A local: dagster's `-m` loader accepts one Definitions object at module scope, `defs`.)
