@@ -549,3 +549,25 @@ def test_a_thousand_short_jobs_leave_no_unbounded_keys(redis_url, namespace):
     assert r.hlen(f"{namespace}:weights") == 0
     # One small hash per job until it expires: bounded by the jobs of the last TTL, not all time.
     assert len(keys) <= 1000 + 3
+
+
+# -- deadlines --------------------------------------------------------------------------------------
+
+
+def test_requests_past_their_deadline_fail_and_are_not_sent_again(fresh_sim):
+    fresh_sim.configure(hang=1.0, hang_s=30.0)
+    resource = llm(
+        fresh_sim, deadline_s=1.5, request_timeout_s=0.5, max_attempts=50, max_concurrency=10
+    )
+    results: list = []
+    started = time.monotonic()
+    _run_batch(resource, 10, results)
+    took = time.monotonic() - started
+    assert {r.error_class for r in results} == {"deadline_exceeded"}
+    assert all("deadline passed" in r.error_message for r in results)
+    received = fresh_sim.stats()["received"]
+    time.sleep(1.0)
+    assert fresh_sim.stats()["received"] == received  # nothing is sent after the deadline
+    assert took < 5
+    # Attempts were cut by the deadline (1.5 s of 0.5 s timeouts plus backoff), not max_attempts.
+    assert all(r.attempts <= 3 for r in results)

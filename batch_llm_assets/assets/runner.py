@@ -190,6 +190,7 @@ class PartitionRun:
         last_log = flushed = started
         next_pct = 10
         buffer: list[dict[str, Any]] = []
+        writing: asyncio.Task[None] | None = None
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
             results: AsyncIterator[ChatResult] = engine.map(_threaded(self._requests()))
             async for result in results:
@@ -197,9 +198,14 @@ class PartitionRun:
                 self.journal.append(row)
                 buffer.append(row)
                 now = time.monotonic()
-                # Durable often: what a crash loses (and a rerun pays again) is this buffer.
+                # The journal already holds every row; the warehouse gets them in chunks, written
+                # in the background (one write at a time, in order) while answers keep coming.
                 if len(buffer) >= self.spec.chunk_rows or now - flushed >= FLUSH_EVERY_S:
-                    await asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
+                    if writing is not None:
+                        await writing
+                    writing = asyncio.create_task(
+                        asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
+                    )
                     buffer = []
                     flushed = now
                 pct = 100 * self.stats.processed / max(1, self.stats.rows_in)
@@ -208,6 +214,8 @@ class PartitionRun:
                     last_log = now
                     next_pct = (int(pct) // 10 + 1) * 10
             self.stats.aborted = engine.aborted_reason
+        if writing is not None:
+            await writing
         if buffer:
             await asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
         self.journal.clear()  # everything is in the warehouse now
