@@ -158,8 +158,8 @@ async def _burst_429s(url: str, stop: threading.Event) -> int:
                 async with s.post(f"{url}/chat/completions", json=body) as r:
                     await r.read()
 
-            await asyncio.gather(*(one() for _ in range(15)), return_exceptions=True)
-            sent += 15
+            await asyncio.gather(*(one() for _ in range(40)), return_exceptions=True)
+            sent += 40
             await asyncio.sleep(1.0)
     return sent
 
