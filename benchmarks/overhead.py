@@ -37,53 +37,19 @@ import asyncio
 import gc
 import json
 import multiprocessing as mp
-import os
-import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-_TIKTOKEN = Path(__file__).resolve().parents[2] / "shared" / "tiktoken"
-if _TIKTOKEN.is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_TIKTOKEN))
+import aiohttp
+from _common import make_prompts, messages
 
-import aiohttp  # noqa: E402
-
-from batch_llm_assets import ChatRequest, LLMResource  # noqa: E402
-from batch_llm_assets.resources import count_prompt_tokens  # noqa: E402
-from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
+from batch_llm_assets import ChatRequest, LLMResource
+from batch_llm_assets.resources import count_prompt_tokens
+from batch_llm_assets.simulator import SimulatorProcess
 
 MODEL = "gpt-4o-mini"
 MAX_TOKENS = 64
 CONCURRENCY = 64
-WORDS = [
-    "markets",
-    "rally",
-    "as",
-    "inflation",
-    "cools",
-    "bank",
-    "shares",
-    "slide",
-    "oil",
-    "climbs",
-    "on",
-    "supply",
-    "fears",
-]
-
-
-def make_prompts(n: int, seed: int = 7) -> list[str]:
-    rng = random.Random(seed)
-    return [
-        f"Headline {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 300)))
-        for i in range(n)
-    ]
-
-
-def messages(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
 
 
 # -- the fixed-answer server ------------------------------------------------------------------

@@ -14,27 +14,21 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-_TIKTOKEN = Path(__file__).resolve().parents[2] / "shared" / "tiktoken"
-if _TIKTOKEN.is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_TIKTOKEN))
+import _common  # noqa: F401 - puts the repo on sys.path, sets TIKTOKEN_CACHE_DIR
+import dagster as dg
+import duckdb
 
-import dagster as dg  # noqa: E402
-import duckdb  # noqa: E402
-
-from batch_llm_assets import (  # noqa: E402
+from batch_llm_assets import (
     DuckDBWarehouse,
     LLMResource,
     Prompt,
     SourceTable,
     build_llm_batch_asset,
 )
-from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
+from batch_llm_assets.simulator import SimulatorProcess
 
 
 def make_table(path: str, rows: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -73,3 +74,50 @@ def fresh_sim(sim):
     )
     sim.reset()
     return sim
+
+
+_SUBPROCESS_DEFS = """
+import dagster as dg
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+
+sentiment = build_llm_batch_asset(
+    name="sentiment",
+    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
+    prompt=Prompt(template="{{{{ headline }}}} Answer with one of: up, down"),
+    output="news_sentiment",
+    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04"),
+    chunk_rows={chunk_rows},
+)
+defs = dg.Definitions(assets=[sentiment], resources={{
+    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini",
+                       max_concurrency={max_concurrency}),
+    "warehouse": DuckDBWarehouse(database="{db}"),
+}})
+"""
+
+
+def materialize_command(tmp_path, sim, db, *, chunk_rows, max_concurrency):
+    """A `dagster asset materialize` of partition 2026-11-01 of news_headlines -> news_sentiment,
+    as a real subprocess would run it (its own code file and DAGSTER_HOME): (argv, env)."""
+    defs = tmp_path / "defs.py"
+    defs.write_text(
+        _SUBPROCESS_DEFS.format(
+            url=sim.url, key=SIM_KEY, db=db, chunk_rows=chunk_rows, max_concurrency=max_concurrency
+        )
+    )
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-f",
+        str(defs),
+        "--select",
+        "sentiment",
+        "--partition",
+        "2026-11-01",
+    ]
+    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 
 import dagster as dg
@@ -23,7 +21,7 @@ from batch_llm_assets import (
 from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.resources.errors import BatchLLMError
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, materialize_command
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
 PROMPT = Prompt(
@@ -242,46 +240,11 @@ def test_sandbox_keeps_python_objects_out_of_reach(fresh_sim, db):
     assert fresh_sim.stats().get("received", 0) == 0
 
 
-DEFS = """
-import dagster as dg
-from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
-
-sentiment = build_llm_batch_asset(
-    name="sentiment",
-    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
-    prompt=Prompt(template="{{{{ headline }}}} Answer with one of: up, down"),
-    output="news_sentiment",
-    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04"),
-    chunk_rows=25,
-)
-defs = dg.Definitions(assets=[sentiment], resources={{
-    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini", max_concurrency=8),
-    "warehouse": DuckDBWarehouse(database="{db}"),
-}})
-"""
-
-
 def test_resume_after_sigkill_loses_nothing_and_resends_little(fresh_sim, tmp_path):
     db = str(tmp_path / "k.duckdb")
     create_demo_table(db, days=1, per_day=400)
-    defs = tmp_path / "defs.py"
-    defs.write_text(textwrap.dedent(DEFS.format(url=fresh_sim.url, key=SIM_KEY, db=db)))
+    cmd, env = materialize_command(tmp_path, fresh_sim, db, chunk_rows=25, max_concurrency=8)
     fresh_sim.configure(latency_ms=60.0)  # ~130 rows/s with 8 in flight: a run of ~3 s
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
-    (tmp_path / "home").mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-f",
-        str(defs),
-        "--select",
-        "sentiment",
-        "--partition",
-        "2026-11-01",
-    ]
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

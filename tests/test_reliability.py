@@ -10,8 +10,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -33,7 +31,7 @@ from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.resources import LimiterSettings, RedisLimiter
 from batch_llm_assets.resources.errors import BatchLLMError
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, materialize_command
 
 pytestmark = pytest.mark.reliability
 
@@ -67,24 +65,6 @@ def llm(sim, **kw):
 
 # -- crash and resume ----------------------------------------------------------------------------
 
-DEFS = """
-import dagster as dg
-from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
-
-sentiment = build_llm_batch_asset(
-    name="sentiment",
-    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
-    prompt=Prompt(template="{{{{ headline }}}} Answer with one of: up, down"),
-    output="news_sentiment",
-    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03"),
-    chunk_rows=200,
-)
-defs = dg.Definitions(assets=[sentiment], resources={{
-    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini", max_concurrency=4),
-    "warehouse": DuckDBWarehouse(database="{db}"),
-}})
-"""
-
 
 def test_five_kills_lose_nothing_duplicate_nothing_and_resend_under_one_percent(
     fresh_sim, tmp_path
@@ -92,24 +72,8 @@ def test_five_kills_lose_nothing_duplicate_nothing_and_resend_under_one_percent(
     rows = 2000
     db = str(tmp_path / "crash.duckdb")
     create_demo_table(db, days=1, per_day=rows)
-    defs = tmp_path / "defs.py"
-    defs.write_text(textwrap.dedent(DEFS.format(url=fresh_sim.url, key=SIM_KEY, db=db)))
+    cmd, env = materialize_command(tmp_path, fresh_sim, db, chunk_rows=200, max_concurrency=4)
     fresh_sim.configure(latency_ms=15.0)
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
-    (tmp_path / "home").mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-f",
-        str(defs),
-        "--select",
-        "sentiment",
-        "--partition",
-        "2026-11-01",
-    ]
     rng = random.Random(5)
     kills = 0
     for _ in range(5):
