@@ -535,3 +535,12 @@ def test_requests_past_their_deadline_fail_and_are_not_sent_again(fresh_sim):
     assert took < 5
     # Attempts were cut by the deadline (1.5 s of 0.5 s timeouts plus backoff), not max_attempts.
     assert all(r.attempts <= 3 for r in results)
+
+
+def test_a_bigquery_project_id_is_the_only_place_a_hyphen_passes():
+    from batch_llm_assets.resources.warehouse import check_table
+
+    assert check_table("my-project.research.news") == ("my-project", "research", "news")
+    for bad in ("my-project.news", "proj.my-data.news", "my-project;x.a.b", "-project.a.b"):
+        with pytest.raises(BatchLLMError, match="Invalid"):
+            check_table(bad)

@@ -17,6 +17,7 @@ from typing import Any
 from .errors import BatchLLMError
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 
 
 class InvalidIdentifierError(BatchLLMError, ValueError):
@@ -39,7 +40,10 @@ def check_table(name: str, *, max_parts: int = 3) -> tuple[str, ...]:
         raise InvalidIdentifierError(
             description=f"Invalid table name {name!r}: expected at most {max_parts} dotted parts."
         )
-    for part in parts:
+    for i, part in enumerate(parts):
+        # A three-part name may start with a GCP project id, which has hyphens ("my-project").
+        if i == 0 and len(parts) == 3 and isinstance(part, str) and _PROJECT.match(part):
+            continue
         check_identifier(part, f"table name part of {name!r}:")
     return parts
 
