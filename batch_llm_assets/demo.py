@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,7 +194,12 @@ def dev() -> int:
             return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM too stops the simulator and Valkey on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(prog="python -m batch_llm_assets.demo")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
