@@ -7,6 +7,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import duckdb
 import pytest
 
 _TIKTOKEN = Path(__file__).resolve().parents[2] / "shared" / "tiktoken"
@@ -121,3 +122,12 @@ def materialize_command(tmp_path, sim, db, *, chunk_rows, max_concurrency):
         "2026-11-01",
     ]
     return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
+
+
+def duckdb_query(db: str, sql: str) -> list[tuple]:
+    """Rows of a query on a DuckDB file, read-only, the connection closed again."""
+    con = duckdb.connect(db, read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()

@@ -22,6 +22,7 @@ from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.resources.errors import BatchLLMError
 
 from .conftest import SIM_KEY, materialize_command
+from .conftest import duckdb_query as query
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
 PROMPT = Prompt(
@@ -70,14 +71,6 @@ def materialize(a, sim, db, key="2026-11-01", **llm):
 def metadata(result, name="sentiment"):
     mats = result.asset_materializations_for_node(name)
     return {k: v.value for k, v in mats[-1].metadata.items()}
-
-
-def query(db, sql):
-    con = duckdb.connect(db, read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def test_partition_rows_statuses_and_metadata(fresh_sim, db):

@@ -32,18 +32,11 @@ from batch_llm_assets.resources import LimiterSettings, RedisLimiter
 from batch_llm_assets.resources.errors import BatchLLMError
 
 from .conftest import SIM_KEY, materialize_command
+from .conftest import duckdb_query as query
 
 pytestmark = pytest.mark.reliability
 
 DAY = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03")
-
-
-def query(db, sql):
-    con = duckdb.connect(db, read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def sentiment(**kw):

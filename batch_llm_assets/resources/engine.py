@@ -154,7 +154,8 @@ class Engine:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int] | ChatResult:
+    def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int, int] | ChatResult:
+        """(body, estimate, max_tokens), or the failed result of a request not to send."""
         messages = req.messages
         user = [m for m in messages or () if m.get("role") == "user"]
         if not user or any(_blank(m.get("content")) for m in user):
@@ -173,7 +174,7 @@ class Engine:
                 f"window of {window}; not sent",
                 estimated_tokens=estimate,
             )
-        return body, estimate
+        return body, estimate, max_tokens
 
     async def run_one(self, req: ChatRequest) -> ChatResult:
         """One request through validation, limiter, retries. Never raises for provider errors."""
@@ -182,8 +183,7 @@ class Engine:
         prepared = self._prepare(req)
         if isinstance(prepared, ChatResult):
             return prepared
-        body, estimate = prepared
-        max_tokens = requested_max_tokens(body, self.s.default_max_tokens)
+        body, estimate, max_tokens = prepared
         deadline = req.deadline
         if deadline is None and self.s.deadline_s is not None:
             deadline = time.monotonic() + self.s.deadline_s
