@@ -1,8 +1,8 @@
 """batch-llm-assets: run an LLM over every row of a warehouse table, inside the rate limits."""
 
 from .assets import Prompt, SourceTable, build_llm_batch_asset
-from .resources import ChatRequest, ChatResult, LLMResource, RedisLimiter
-from .resources.duckdb_warehouse import DuckDBWarehouse
+from .engine import ChatRequest, ChatResult, RedisLimiter
+from .resources import DuckDBWarehouse, LLMResource
 
 __all__ = [
     "ChatRequest",

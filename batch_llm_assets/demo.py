@@ -17,7 +17,7 @@ from datetime import date, timedelta
 from pathlib import Path
 
 from .demo_data import DEMO_START, create_demo_table
-from .resources.valkey import EmbeddedValkey
+from .engine.valkey import EmbeddedValkey
 from .simulator import SimulatorProcess
 
 DEMO_DIR = Path(".demo")

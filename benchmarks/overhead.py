@@ -44,7 +44,7 @@ import aiohttp
 from _common import make_prompts, messages
 
 from batch_llm_assets import ChatRequest, LLMResource
-from batch_llm_assets.resources import count_prompt_tokens
+from batch_llm_assets.engine import count_prompt_tokens
 from batch_llm_assets.simulator import SimulatorProcess
 
 MODEL = "gpt-4o-mini"

@@ -20,7 +20,7 @@ import time
 from _common import make_prompts, messages
 
 from batch_llm_assets import ChatRequest, LLMResource
-from batch_llm_assets.resources import EmbeddedValkey, count_prompt_tokens
+from batch_llm_assets.engine import EmbeddedValkey, count_prompt_tokens
 from batch_llm_assets.simulator import SimulatorProcess
 
 MODEL = "sim-1"

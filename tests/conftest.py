@@ -14,7 +14,7 @@ _TIKTOKEN = Path(__file__).resolve().parents[2] / "shared" / "tiktoken"
 if _TIKTOKEN.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_TIKTOKEN))
 
-from batch_llm_assets.resources import EmbeddedValkey  # noqa: E402
+from batch_llm_assets.engine import EmbeddedValkey  # noqa: E402
 from batch_llm_assets.simulator import SimulatorProcess  # noqa: E402
 
 SIM_KEY = "sk-sim-test-0123456789abcdef"

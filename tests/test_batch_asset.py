@@ -19,7 +19,7 @@ from batch_llm_assets import (
     build_llm_batch_asset,
 )
 from batch_llm_assets.demo_data import create_demo_table
-from batch_llm_assets.resources.errors import BatchLLMError
+from batch_llm_assets.engine.errors import BatchLLMError
 
 from .conftest import SIM_KEY, materialize_command
 from .conftest import duckdb_query as query

@@ -15,11 +15,13 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import bigquery
 
 from batch_llm_assets import LLMResource, Prompt, SourceTable, build_llm_batch_asset
+from batch_llm_assets.assets.schema import output_table
 from batch_llm_assets.demo_data import headlines
-from batch_llm_assets.resources import bigquery_warehouse as bqw
-from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse, table_parts
-from batch_llm_assets.resources.errors import BatchLLMError
-from batch_llm_assets.resources.warehouse import SliceFilter, SourceRef
+from batch_llm_assets.engine.errors import BatchLLMError
+from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
+from batch_llm_assets.warehouses import bigquery_session as bqw
+from batch_llm_assets.warehouses.base import SliceFilter, SourceRef
+from batch_llm_assets.warehouses.bigquery_session import table_parts
 
 from .conftest import SIM_KEY
 
@@ -315,7 +317,7 @@ def test_session_reads_pages_and_filters_by_parameters(bq_endpoint, bq, dataset)
 def test_writes_merge_in_bounded_chunks_and_upsert(bq_endpoint, bq, dataset, monkeypatch):
     monkeypatch.setattr(bqw, "MERGE_MAX_ROWS", 3)
     src = SourceRef(f"{dataset}.news_headlines", "id", ("headline",), "published_at")
-    out = f"{dataset}.out_chunks"
+    out = output_table(f"{dataset}.out_chunks")
     now = datetime.now(UTC)
 
     def row(i, status, response=None):
@@ -334,7 +336,7 @@ def test_writes_merge_in_bounded_chunks_and_upsert(bq_endpoint, bq, dataset, mon
         s.ensure_output(out, src)
         s.ensure_output(out, src)  # idempotent
         s.write_results(out, [row(i, "failed") for i in range(10)])
-        assert s.count_output(out, "p") == 10
+        assert s.count_output(out.name, "p") == 10
         # Replaces rows in place; the same id twice in one batch: the last one wins.
         s.write_results(out, [row(i, "ok", "fine") for i in range(5, 12)] + [row(11, "ok", "last")])
         assert s.done_hashes(out, list(range(20))) == {i: f"h{i}" for i in range(5, 12)}
@@ -420,9 +422,9 @@ def test_unsafe_identifiers_are_refused(bad, bq_endpoint, bq, dataset):
         with pytest.raises(BatchLLMError, match="Invalid"):
             s.check_source(SourceRef(bad, "id", ("headline",)))
         with pytest.raises(BatchLLMError, match="Invalid"):
-            s.ensure_output(bad, src)
+            s.ensure_output(output_table(bad), src)
         with pytest.raises(BatchLLMError, match="Invalid"):
-            s.write_results(bad, [{"id": 1}])
+            s.write_results(output_table(bad), [{"id": 1}])
         with pytest.raises(BatchLLMError, match="Invalid column"):
             s.check_source(SourceRef(src.table, "id", ("headline`; SELECT 1",)))
     assert sorted(d.dataset_id for d in bq.list_datasets()) == before
@@ -456,8 +458,8 @@ def test_output_dataset_is_created_and_tables_are_listed(bq_endpoint, bq, datase
     src = SourceRef(f"{dataset}.news_headlines", "id", ("headline",), "published_at")
     out_dataset = f"{dataset}_out"
     with warehouse(bq_endpoint).session() as s:
-        s.ensure_output(f"{PROJECT}.{out_dataset}.results", src)
-        s.ensure_output(f"{out_dataset}.b_results", src)
+        s.ensure_output(output_table(f"{PROJECT}.{out_dataset}.results"), src)
+        s.ensure_output(output_table(f"{out_dataset}.b_results"), src)
         assert s.list_tables(out_dataset, 10) == ["b_results", "results"]
         assert s.list_tables(f"{PROJECT}.{out_dataset}", 1) == ["b_results"]
         with pytest.raises(BatchLLMError, match=f"dataset {PROJECT}.nope_{dataset} does not exist"):
@@ -467,4 +469,4 @@ def test_output_dataset_is_created_and_tables_are_listed(bq_endpoint, bq, datase
     query(bq, f"CREATE TABLE `{out_dataset}`.`bad_out` (id STRING, status STRING)")
     with warehouse(bq_endpoint).session() as s:
         with pytest.raises(BatchLLMError, match="different schema: id is STRING, expected INT64"):
-            s.ensure_output(f"{out_dataset}.bad_out", src)
+            s.ensure_output(output_table(f"{out_dataset}.bad_out"), src)

@@ -16,6 +16,7 @@ from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable
 from batch_llm_assets.assets import build_llm_batch_asset
 from batch_llm_assets.components import LlmBatchComponent, LlmBatchConfigError, load_defs_folder
 from batch_llm_assets.demo_data import DEMO_DAYS, DEMO_START, create_demo_table
+from batch_llm_assets.engine.errors import BatchLLMError
 
 from .conftest import SIM_KEY
 
@@ -231,7 +232,7 @@ def test_every_attribute_is_described():
 def test_invalid_fixtures_fail_at_load_naming_the_attribute(fixture, message):
     err = load_error(f"{FIXTURES}.{fixture}")
     assert err.description.startswith(message)
-    assert isinstance(err, dg.Failure)  # a BatchLLMError, like the builders' own errors
+    assert isinstance(err, BatchLLMError)  # like the builders' own errors
 
 
 GOOD = {

@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from batch_llm_assets.resources import LimiterSettings, RedisLimiter, limiter_namespace
+from batch_llm_assets.engine import LimiterSettings, RedisLimiter, limiter_namespace
 
 
 def _limiter(url, namespace, *, job="job", weight=1.0, **settings):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from batch_llm_assets import ChatRequest, LLMResource
-from batch_llm_assets.resources import count_prompt_tokens
+from batch_llm_assets.engine import count_prompt_tokens
 
 from .conftest import SIM_KEY
 

@@ -28,8 +28,8 @@ from batch_llm_assets import (
     build_llm_batch_asset,
 )
 from batch_llm_assets.demo_data import create_demo_table
-from batch_llm_assets.resources import LimiterSettings, RedisLimiter
-from batch_llm_assets.resources.errors import BatchLLMError
+from batch_llm_assets.engine import LimiterSettings, RedisLimiter
+from batch_llm_assets.engine.errors import BatchLLMError
 
 from .conftest import SIM_KEY, materialize_command
 from .conftest import duckdb_query as query
@@ -531,7 +531,7 @@ def test_requests_past_their_deadline_fail_and_are_not_sent_again(fresh_sim):
 
 
 def test_a_bigquery_project_id_is_the_only_place_a_hyphen_passes():
-    from batch_llm_assets.resources.warehouse import check_table
+    from batch_llm_assets.warehouses.base import check_table
 
     assert check_table("my-project.research.news") == ("my-project", "research", "news")
     for bad in ("my-project.news", "proj.my-data.news", "my-project;x.a.b", "-project.a.b"):

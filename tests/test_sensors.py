@@ -20,7 +20,7 @@ from batch_llm_assets import (
 )
 from batch_llm_assets.assets import build_llm_batch_checks
 from batch_llm_assets.demo_data import create_demo_table
-from batch_llm_assets.resources.errors import BatchLLMError
+from batch_llm_assets.engine.errors import BatchLLMError
 from batch_llm_assets.sensors import (
     build_latest_partition_schedule,
     build_new_input_tables_sensor,

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import tiktoken
 
-from batch_llm_assets.resources import count_prompt_tokens
+from batch_llm_assets.engine import count_prompt_tokens
 from batch_llm_assets.simulator.server import openai_duration
 
 from .conftest import SIM_KEY

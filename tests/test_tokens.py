@@ -9,7 +9,7 @@ import textwrap
 
 import tiktoken
 
-from batch_llm_assets.resources.tokens import (
+from batch_llm_assets.engine.tokens import (
     count_prompt_tokens,
     encoding_for,
     requested_max_tokens,
@@ -54,7 +54,7 @@ def test_without_encoding_files_it_overestimates_from_characters_and_warns_once(
     code = textwrap.dedent("""
         import logging
         logging.basicConfig(level=logging.WARNING)
-        from batch_llm_assets.resources.tokens import count_prompt_tokens
+        from batch_llm_assets.engine.tokens import count_prompt_tokens
         text = "The quick brown fox jumps over the lazy dog. " * 20
         print(count_prompt_tokens([{"role": "user", "content": text}], "gpt-4o-mini"))
         print(count_prompt_tokens([{"role": "user", "content": text}], "gpt-4o-mini"))

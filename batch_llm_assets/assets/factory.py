@@ -7,12 +7,13 @@ from typing import Any
 
 import dagster as dg
 
-from ..resources.errors import BatchLLMError
+from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
-from ..resources.warehouse import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
-from .metadata import build_metadata, output_schema
+from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
+from .metadata import build_metadata
 from .prompt import CompiledPrompt, Prompt
 from .runner import PartitionRun, RunSpec, check_failures
+from .schema import output_schema, output_table
 
 DEFAULT_MAX_FAILED_FRACTION = 0.05
 DEFAULT_CHUNK_ROWS = 1000
@@ -105,7 +106,7 @@ def build_llm_batch_asset(
     params = dict(params or {})
     spec = RunSpec(
         source=SourceRef(source.table, source.id_column, columns, source.partition_column),
-        output_table=output,
+        output=output_table(output),
         prompt=compiled,
         model=model,
         params=params,
@@ -144,12 +145,15 @@ def build_llm_batch_asset(
             run_spec = dataclasses.replace(
                 spec, source=dataclasses.replace(spec.source, table=table)
             )
-        with warehouse.session() as session:
-            run = PartitionRun(
-                run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
-            )
-            stats = run.run()
-            row_count = session.count_output(output, partition_key)
+        try:
+            with warehouse.session() as session:
+                run = PartitionRun(
+                    run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
+                )
+                stats = run.run()
+                row_count = session.count_output(output, partition_key)
+        except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
+            raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
         metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
         check_failures(stats, max_failed_fraction, metadata)
         return dg.MaterializeResult(metadata=metadata)

@@ -6,22 +6,7 @@ from typing import Any
 
 import dagster as dg
 
-from ..resources.warehouse import OUTPUT_COLUMNS
 from .runner import RunStats
-
-_DESCRIPTIONS = {
-    "id": "the source row's id (one output row per input id)",
-    "status": "ok or failed",
-    "error_class": "why a row failed (empty_prompt, context_length, rate_limited, ...)",
-    "request_hash": "sha256 of prompt + model + params: a rerun skips ok rows with the same hash",
-    "cost_usd": "NULL when the model's price is unknown",
-}
-
-
-def output_schema(id_column: str) -> dg.TableSchema:
-    cols = [dg.TableColumn("id", "same as source", description=_DESCRIPTIONS["id"])]
-    cols += [dg.TableColumn(c, t, description=_DESCRIPTIONS.get(c)) for c, t in OUTPUT_COLUMNS]
-    return dg.TableSchema(columns=cols)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

@@ -9,7 +9,7 @@ import jinja2
 from jinja2 import meta, nodes
 from jinja2.sandbox import SandboxedEnvironment
 
-from ..resources.errors import EMPTY_PROMPT, PROMPT_RENDER, BatchLLMError
+from ..engine.errors import EMPTY_PROMPT, PROMPT_RENDER, BatchLLMError
 
 _ENV = SandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import dagster as dg
 
-from ..resources import errors as E
-from ..resources.engine import ChatRequest, ChatResult
+from ..engine import errors as E
+from ..engine.engine import ChatRequest, ChatResult
 from ..resources.llm import LLMResource
-from ..resources.warehouse import SliceFilter, SourceRef, WarehouseSession
+from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .pricing import cost_usd, price_for
 from .prompt import CompiledPrompt
@@ -74,7 +74,7 @@ class RunStats:
 @dataclass(frozen=True)
 class RunSpec:
     source: SourceRef
-    output_table: str
+    output: OutputTable
     prompt: CompiledPrompt
     model: str | None
     params: dict[str, Any]
@@ -111,7 +111,7 @@ class PartitionRun:
         self.stats = RunStats(cost_usd=0.0 if self.price is not None else None)
         self.journal = ResultJournal(
             journal_dir or default_journal_dir(),
-            f"{warehouse_identity}|{spec.output_table}",
+            f"{warehouse_identity}|{spec.output.name}",
             partition_key,
         )
         self._hashes: dict[Any, str] = {}
@@ -133,13 +133,11 @@ class PartitionRun:
                 "sent. Deduplicate the source or choose a unique id column."
             )
         self.stats.rows_in = rows
-        self.db.ensure_output(self.spec.output_table, src)
+        self.db.ensure_output(self.spec.output, src)
         recovered = self.journal.recover()
         if recovered:
             for i in range(0, len(recovered), self.spec.chunk_rows):
-                self.db.write_results(
-                    self.spec.output_table, recovered[i : i + self.spec.chunk_rows]
-                )
+                self.db.write_results(self.spec.output, recovered[i : i + self.spec.chunk_rows])
             self.log.info(
                 f"partition {self.partition_key}: recovered {len(recovered)} results of a run "
                 "that stopped before writing them"
@@ -150,7 +148,7 @@ class PartitionRun:
     def _requests(self) -> Iterator[ChatRequest]:
         for chunk in self.db.read_slice(self.spec.source, self.where, self.spec.chunk_rows):
             done = self.db.done_hashes(
-                self.spec.output_table, [r[self.spec.source.id_column] for r in chunk]
+                self.spec.output, [r[self.spec.source.id_column] for r in chunk]
             )
             for row in chunk:
                 rid = row[self.spec.source.id_column]
@@ -204,7 +202,7 @@ class PartitionRun:
                     if writing is not None:
                         await writing
                     writing = asyncio.create_task(
-                        asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
+                        asyncio.to_thread(self.db.write_results, self.spec.output, buffer)
                     )
                     buffer = []
                     flushed = now
@@ -217,7 +215,7 @@ class PartitionRun:
         if writing is not None:
             await writing
         if buffer:
-            await asyncio.to_thread(self.db.write_results, self.spec.output_table, buffer)
+            await asyncio.to_thread(self.db.write_results, self.spec.output, buffer)
         self.journal.clear()  # everything is in the warehouse now
         self.stats.wall_s = time.monotonic() - started
 

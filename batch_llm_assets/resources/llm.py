@@ -11,11 +11,11 @@ import dagster as dg
 import redis.asyncio as aioredis
 from pydantic import Field, PrivateAttr, field_validator
 
-from . import _constants as C
-from .engine import ChatRequest, ChatResult, Engine, EngineSettings
-from .limiter import LimiterSettings, RedisLimiter, limiter_namespace
-from .transport import TRANSPORTS
-from .valkey import EmbeddedValkey
+from ..engine import _constants as C
+from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
+from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
+from ..engine.transport import TRANSPORTS
+from ..engine.valkey import EmbeddedValkey
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 
 import dagster as dg
 
-from ..resources.errors import BatchLLMError
-from ..resources.warehouse import Warehouse, check_identifier
+from ..engine.errors import BatchLLMError
+from ..warehouses.base import Warehouse, check_identifier
 
 DEFAULT_MAX_TABLES_PER_TICK = 25
 LISTING_LIMIT = 10_000

@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 
-from ..resources.errors import redact
+from ..engine.errors import redact
 
 log = logging.getLogger(__name__)
 

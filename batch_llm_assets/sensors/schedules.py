@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from ..resources.errors import BatchLLMError
+from ..engine.errors import BatchLLMError
 
 
 def build_latest_partition_schedule(

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..resources.tokens import count_prompt_tokens, count_text_tokens, encoding_for
+from ..engine.tokens import count_prompt_tokens, count_text_tokens, encoding_for
 
 _WORDS = [
     "the",

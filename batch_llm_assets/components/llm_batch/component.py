@@ -54,11 +54,11 @@ from ...assets.factory import (
     build_llm_batch_asset,
 )
 from ...assets.prompt import Prompt
-from ...resources.errors import BatchLLMError
-from ...resources.warehouse import check_identifier, check_table
+from ...engine.errors import BatchLLMError
 from ...sensors.new_tables import DEFAULT_MAX_TABLES_PER_TICK, build_new_input_tables_sensor
 from ...sensors.notifications import build_run_notification_sensors
 from ...sensors.schedules import build_latest_partition_schedule
+from ...warehouses.base import check_identifier, check_table
 
 TIME_WINDOW_TYPES = ("daily", "hourly", "weekly", "monthly")
 _TIME_WINDOW_CLASSES: dict[str, type[dg.TimeWindowPartitionsDefinition]] = {

@@ -1,4 +1,4 @@
-"""The small interface the batch asset needs from a warehouse, and safe identifiers.
+"""The small interface a partition run needs from a warehouse, and safe identifiers.
 
 Values always travel as query parameters; table and column names are checked against a strict
 pattern and quoted, never pasted from config.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .errors import BatchLLMError
+from ..engine.errors import BatchLLMError
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
@@ -66,6 +66,19 @@ class SliceFilter:
 
 
 @dataclass(frozen=True)
+class OutputTable:
+    """Where results go: the table and its columns after `id` as (name, logical type), the
+    logical types being string, int, float and timestamp. The assets layer owns the schema."""
+
+    name: str
+    columns: tuple[tuple[str, str], ...]
+
+    @property
+    def names(self) -> list[str]:
+        return ["id", *(c for c, _ in self.columns)]
+
+
+@dataclass(frozen=True)
 class SourceRef:
     table: str
     id_column: str
@@ -91,15 +104,15 @@ class WarehouseSession(abc.ABC):
         """The slice's rows (id + columns), in chunks of at most chunk_rows, ordered by id."""
 
     @abc.abstractmethod
-    def ensure_output(self, table: str, source: SourceRef) -> None:
+    def ensure_output(self, output: OutputTable, source: SourceRef) -> None:
         """Create the output table if missing, with the source id's type."""
 
     @abc.abstractmethod
-    def done_hashes(self, table: str, ids: Sequence[Any]) -> dict[Any, str]:
+    def done_hashes(self, output: OutputTable, ids: Sequence[Any]) -> dict[Any, str]:
         """request_hash of the rows among `ids` that already succeeded."""
 
     @abc.abstractmethod
-    def write_results(self, table: str, rows: list[dict[str, Any]]) -> None:
+    def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
         """Upsert by id, atomically: after it, each id has exactly one row."""
 
     @abc.abstractmethod
@@ -120,20 +133,3 @@ class Warehouse(abc.ABC):
     def identity(self) -> str:
         """Which warehouse this is (a file, a project): keeps local journals apart."""
         return type(self).__name__
-
-
-OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("partition_key", "string"),
-    ("response", "string"),
-    ("status", "string"),
-    ("error_class", "string"),
-    ("error", "string"),
-    ("model", "string"),
-    ("prompt_tokens", "int"),
-    ("completion_tokens", "int"),
-    ("cost_usd", "float"),
-    ("latency_ms", "float"),
-    ("attempts", "int"),
-    ("request_hash", "string"),
-    ("completed_at", "timestamp"),
-)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import re
-
-import dagster as dg
+from typing import Any
 
 # Error codes written to result records (`error_class`), one per failure kind.
 EMPTY_PROMPT = "empty_prompt"
@@ -39,8 +38,14 @@ _STATUS_CLASSES = {
 FATAL_CLASSES = frozenset({AUTHENTICATION, PERMISSION_DENIED, NOT_FOUND})
 
 
-class BatchLLMError(dg.Failure):
-    """Base class of the errors this library raises into Dagster."""
+class BatchLLMError(Exception):
+    """Base class of this library's errors. Plain Python (the engine imports no Dagster): the
+    asset turns it into a `dagster.Failure` carrying the same description and metadata."""
+
+    def __init__(self, description: str = "", metadata: dict[str, Any] | None = None) -> None:
+        super().__init__(description)
+        self.description = description
+        self.metadata = dict(metadata or {})
 
 
 class LimiterUnavailableError(BatchLLMError):

@@ -1,0 +1,24 @@
+"""The engine: a plain async library (no Dagster) that sends many chat requests through a shared
+Redis limiter, with retries, token estimation, transports and its own errors."""
+
+from .engine import ChatRequest, ChatResult, Engine, EngineSettings
+from .errors import BatchLLMError, LimiterUnavailableError, ProviderError
+from .limiter import Grant, LimiterSettings, RedisLimiter, limiter_namespace
+from .tokens import count_prompt_tokens
+from .valkey import EmbeddedValkey
+
+__all__ = [
+    "BatchLLMError",
+    "ChatRequest",
+    "ChatResult",
+    "EmbeddedValkey",
+    "Engine",
+    "EngineSettings",
+    "Grant",
+    "LimiterSettings",
+    "LimiterUnavailableError",
+    "ProviderError",
+    "RedisLimiter",
+    "count_prompt_tokens",
+    "limiter_namespace",
+]

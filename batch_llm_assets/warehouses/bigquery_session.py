@@ -1,0 +1,362 @@
+"""BigQuery sessions: the SQL a partition run needs, on a google-cloud-bigquery client.
+
+- Slices are selected with query parameters (TIMESTAMP for time windows, STRING/INT64 for
+  equality); names are checked (`check_identifier`, plus a project-id pattern) and backquoted.
+- Results are read page by page (`result(page_size=chunk_rows)`), never all at once. The REST
+  pages are enough here: the LLM, not the read, bounds a partition's speed.
+- Results are upserted with one MERGE per chunk, from UNNEST of an ARRAY<STRUCT> query parameter.
+  No streaming inserts: on the real service, rows still in the streaming buffer cannot be
+  updated or deleted, so a rerun could not replace them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from google.api_core.exceptions import NotFound
+from google.cloud import bigquery
+
+from ..engine.errors import BatchLLMError
+from .base import (
+    InvalidIdentifierError,
+    OutputTable,
+    SliceFilter,
+    SourceRef,
+    WarehouseSession,
+    check_identifier,
+    check_table,
+)
+
+# A Google Cloud project id: 6-30 characters, lowercase letters, digits and hyphens, starting with
+# a letter and not ending with a hyphen. Only this part of a table name may contain '-'.
+_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+
+_TYPES = {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"}
+# The REST API's legacy type names -> GoogleSQL names.
+_LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL", "RECORD": "STRUCT"}
+# Types an id column may have: usable as a MERGE key and as a query parameter.
+_ID_TYPES = frozenset(
+    {"INT64", "STRING", "NUMERIC", "BIGNUMERIC", "BYTES", "DATE", "DATETIME", "TIMESTAMP"}
+)
+_CLUSTERABLE = frozenset(
+    {"INT64", "STRING", "NUMERIC", "BIGNUMERIC", "DATE", "DATETIME", "TIMESTAMP"}
+)
+
+# One MERGE carries at most this many rows and this many bytes of JSON-encoded parameter values:
+# far below BigQuery's limits on a query request (10 MB) and on a resolved query (12 MB), and
+# small enough that one statement finishes quickly. A single larger row is sent on its own.
+MERGE_MAX_ROWS = 500
+MERGE_MAX_BYTES = 2 * 1024 * 1024
+# done_hashes looks ids up this many at a time (one ARRAY parameter each).
+LOOKUP_MAX_IDS = 10_000
+
+
+def check_project(project: str) -> str:
+    if not isinstance(project, str) or not _PROJECT.match(project):
+        raise InvalidIdentifierError(
+            description=f"Invalid BigQuery project id {project!r}: 6-30 lowercase letters, "
+            "digits and hyphens, starting with a letter (no quotes, backticks or semicolons)."
+        )
+    return project
+
+
+def table_parts(table: str) -> tuple[str | None, str, str]:
+    """'dataset.table' or 'project.dataset.table' -> (project or None, dataset, table), checked."""
+    parts = table.split(".") if isinstance(table, str) else [table]
+    if len(parts) == 3:
+        check_project(parts[0])
+        dataset, name = check_table(".".join(parts[1:]), max_parts=2)
+        return parts[0], dataset, name
+    if len(parts) == 2:
+        dataset, name = check_table(table, max_parts=2)
+        return None, dataset, name
+    raise InvalidIdentifierError(
+        description=f"Invalid BigQuery table name {table!r}: expected 'dataset.table' or "
+        "'project.dataset.table'."
+    )
+
+
+def _bq(name: str) -> str:
+    return "`" + name + "`"
+
+
+def _q(column: str) -> str:
+    return _bq(check_identifier(column))
+
+
+def _qt(table: str) -> str:
+    project, dataset, name = table_parts(table)
+    return ".".join(_bq(p) for p in (project, dataset, name) if p is not None)
+
+
+class BigQuerySession(WarehouseSession):
+    def __init__(self, client: bigquery.Client) -> None:
+        self.client = client
+        self._schemas: dict[str, dict[str, str]] = {}
+        self._id_types: dict[str, str] = {}
+        self._merge_sql: dict[str, str] = {}
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> bigquery.QueryJob:
+        config = bigquery.QueryJobConfig(query_parameters=list(params))
+        return self.client.query(sql, job_config=config)
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return [tuple(row.values()) for row in self._query(sql, params).result()]
+
+    def _ref(self, table: str) -> bigquery.TableReference:
+        project, dataset, name = table_parts(table)
+        return bigquery.DatasetReference(project or self.client.project, dataset).table(name)
+
+    def _dataset_exists(self, ref: bigquery.TableReference) -> bool:
+        try:
+            self.client.get_dataset(bigquery.DatasetReference(ref.project, ref.dataset_id))
+        except NotFound:
+            return False
+        return True
+
+    def _schema(self, table: str, *, what: str = "Source table") -> dict[str, str]:
+        """Column name -> GoogleSQL type, from the table's metadata (no query is run)."""
+        if table in self._schemas:
+            return self._schemas[table]
+        ref = self._ref(table)
+        try:
+            meta = self.client.get_table(ref)
+        except NotFound:
+            if not self._dataset_exists(ref):
+                raise BatchLLMError(
+                    description=f"BigQuery dataset {ref.project}.{ref.dataset_id} does not exist "
+                    f"({what.lower()} {table!r})."
+                ) from None
+            raise BatchLLMError(
+                description=f"{what} {table!r} does not exist in BigQuery dataset "
+                f"{ref.project}.{ref.dataset_id}."
+            ) from None
+        schema = {
+            f.name: "ARRAY" if f.mode == "REPEATED" else _LEGACY.get(f.field_type, f.field_type)
+            for f in meta.schema
+        }
+        self._schemas[table] = schema
+        return schema
+
+    def _id_type(self, table: str) -> str:
+        if table not in self._id_types:
+            self._id_types[table] = self._schema(table, what="Output table").get("id", "STRING")
+        return self._id_types[table]
+
+    # -- the interface -------------------------------------------------------------------------
+    def check_source(self, source: SourceRef) -> None:
+        columns = self._schema(source.table)
+        wanted = [source.id_column, *source.columns]
+        if source.partition_column:
+            wanted.append(source.partition_column)
+        for column in wanted:
+            check_identifier(column)
+        missing = [c for c in wanted if c not in columns]
+        if missing:
+            raise BatchLLMError(
+                description=f"Source table {source.table!r} has no column(s) {missing}; "
+                f"it has {sorted(columns)}."
+            )
+        id_type = columns[source.id_column]
+        if id_type not in _ID_TYPES:
+            raise BatchLLMError(
+                description=f"Id column {source.table!r}.{source.id_column} has type {id_type}; "
+                f"use a column of one of {sorted(_ID_TYPES)}."
+            )
+
+    def _where(self, source: SourceRef, where: SliceFilter) -> tuple[str, list[Any]]:
+        if where.kind == "all":
+            return "TRUE", []
+        column = where.column or ""
+        col = _q(column)
+        kind = self._schema(source.table).get(column)
+        if where.kind == "range":
+            start, end = where.start, where.end
+            assert start is not None and end is not None
+            if kind == "DATE":
+                values: tuple[Any, Any] = (start.date(), end.date())
+            elif kind == "DATETIME":  # wall-clock time in the partitions' timezone
+                values = (start.replace(tzinfo=None), end.replace(tzinfo=None))
+            else:
+                kind = "TIMESTAMP"
+                values = tuple(
+                    v.astimezone(UTC) if v.tzinfo else v.replace(tzinfo=UTC) for v in (start, end)
+                )
+            return f"{col} >= @slice_start AND {col} < @slice_end", [
+                bigquery.ScalarQueryParameter("slice_start", kind, values[0]),
+                bigquery.ScalarQueryParameter("slice_end", kind, values[1]),
+            ]
+        value = where.value
+        if kind == "INT64":
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                raise BatchLLMError(
+                    description=f"Partition key {where.value!r} is not an integer, but "
+                    f"{source.table!r}.{column} is INT64."
+                ) from None
+        elif kind == "STRING":
+            value = str(value)
+        else:
+            raise BatchLLMError(
+                description=f"Partition column {source.table!r}.{column} has type {kind}: "
+                "a static partition key needs a STRING or INT64 column (use time-window "
+                "partitions for TIMESTAMP, DATETIME and DATE columns)."
+            )
+        return f"{col} = @slice_value", [bigquery.ScalarQueryParameter("slice_value", kind, value)]
+
+    def slice_stats(self, source: SourceRef, where: SliceFilter) -> tuple[int, list[Any], int]:
+        cond, params = self._where(source, where)
+        idc = _q(source.id_column)
+        table = _qt(source.table)
+        [(rows, nulls)] = self._rows(
+            f"SELECT COUNT(*), COUNTIF({idc} IS NULL) FROM {table} WHERE {cond}", params
+        )
+        dups = self._rows(
+            f"SELECT {idc} FROM {table} WHERE {cond} AND {idc} IS NOT NULL "
+            f"GROUP BY {idc} HAVING COUNT(*) > 1 ORDER BY {idc} LIMIT 5",
+            params,
+        )
+        return rows, [d[0] for d in dups], nulls
+
+    def read_slice(
+        self, source: SourceRef, where: SliceFilter, chunk_rows: int
+    ) -> Iterator[list[dict[str, Any]]]:
+        cond, params = self._where(source, where)
+        names = [source.id_column, *source.columns]
+        cols = ", ".join(_q(c) for c in names)
+        job = self._query(
+            f"SELECT {cols} FROM {_qt(source.table)} WHERE {cond} ORDER BY {_q(source.id_column)}",
+            params,
+        )
+        for page in job.result(page_size=chunk_rows).pages:
+            rows = [dict(zip(names, row.values(), strict=True)) for row in page]
+            for i in range(0, len(rows), chunk_rows):  # a page is never more than a chunk
+                yield rows[i : i + chunk_rows]
+
+    def ensure_output(self, output: OutputTable, source: SourceRef) -> None:
+        table = output.name
+        id_type = self._schema(source.table)[source.id_column]
+        ref = self._ref(table)
+        if not self._dataset_exists(ref):
+            project, dataset, _ = table_parts(table)  # no project part: the client's project
+            qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
+            self._query(f"CREATE SCHEMA IF NOT EXISTS {qds}").result()
+        cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
+        # Clustered by id: MERGE and the done-row lookups then read only the blocks they need.
+        cluster = " CLUSTER BY `id`" if id_type in _CLUSTERABLE else ""
+        self._query(
+            f"CREATE TABLE IF NOT EXISTS {_qt(table)} (`id` {id_type}, {cols}){cluster}"
+        ).result()
+        self._schemas.pop(table, None)
+        existing = self._schema(table, what="Output table")
+        wanted = {"id": id_type, **{c: _TYPES[t] for c, t in output.columns}}
+        wrong = {c: existing.get(c) for c, t in wanted.items() if existing.get(c) != t}
+        if wrong:
+            diffs = ", ".join(
+                f"{c} is {t or 'missing'}, expected {wanted[c]}" for c, t in wrong.items()
+            )
+            raise BatchLLMError(
+                description=f"Output table {table!r} exists with a different schema: {diffs}."
+            )
+        self._id_types[table] = id_type
+
+    def done_hashes(self, output: OutputTable, ids: Sequence[Any]) -> dict[Any, str]:
+        table = output.name
+        if not ids:
+            return {}
+        id_type = self._id_type(table)
+        done: dict[Any, str] = {}
+        for i in range(0, len(ids), LOOKUP_MAX_IDS):
+            param = bigquery.ArrayQueryParameter("ids", id_type, list(ids[i : i + LOOKUP_MAX_IDS]))
+            done.update(
+                self._rows(
+                    f"SELECT `id`, `request_hash` FROM {_qt(table)} "
+                    "WHERE `status` = 'ok' AND `id` IN UNNEST(@ids)",
+                    [param],
+                )
+            )
+        return done
+
+    def _merge(self, output: OutputTable) -> str:
+        table = output.name
+        if table not in self._merge_sql:
+            names = output.names
+            fields = ", ".join(f"r.{_q(c)} AS {_q(c)}" for c in names)
+            updates = ", ".join(f"{_q(c)} = S.{_q(c)}" for c in names[1:])
+            self._merge_sql[table] = (
+                f"MERGE {_qt(table)} AS T "
+                f"USING (SELECT {fields} FROM UNNEST(@rows) AS r) AS S "
+                "ON T.`id` = S.`id` "
+                f"WHEN MATCHED THEN UPDATE SET {updates} "
+                f"WHEN NOT MATCHED THEN INSERT ({', '.join(_q(c) for c in names)}) "
+                f"VALUES ({', '.join(f'S.{_q(c)}' for c in names)})"
+            )
+        return self._merge_sql[table]
+
+    def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
+        """One MERGE per chunk of <= MERGE_MAX_ROWS rows / MERGE_MAX_BYTES: each is atomic."""
+        if not rows:
+            return
+        id_type = self._id_type(output.name)
+        latest = {row["id"]: row for row in rows}  # MERGE allows one source row per target row
+        chunk: list[bigquery.StructQueryParameter] = []
+        size = 0
+        for row in latest.values():
+            param = _struct(row, id_type, output)
+            row_size = len(json.dumps(param.to_api_repr()["parameterValue"], default=str))
+            if chunk and (len(chunk) >= MERGE_MAX_ROWS or size + row_size > MERGE_MAX_BYTES):
+                self._write_chunk(output, chunk)
+                chunk, size = [], 0
+            chunk.append(param)
+            size += row_size
+        if chunk:
+            self._write_chunk(output, chunk)
+
+    def _write_chunk(self, output: OutputTable, chunk: list[bigquery.StructQueryParameter]) -> None:
+        self._query(
+            self._merge(output), [bigquery.ArrayQueryParameter("rows", "STRUCT", chunk)]
+        ).result()
+
+    def count_output(self, table: str, partition_key: str) -> int:
+        [(count,)] = self._rows(
+            f"SELECT COUNT(*) FROM {_qt(table)} WHERE `partition_key` = @partition_key",
+            [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)],
+        )
+        return count
+
+    def list_tables(self, dataset: str, limit: int) -> list[str]:
+        """The first `limit` table names of 'dataset' or 'project.dataset', sorted.
+
+        From the tables.list API (free, no query); all pages are read, since the API does not
+        promise an order.
+        """
+        project, name, _ = table_parts(f"{dataset}.t")
+        ref = bigquery.DatasetReference(project or self.client.project, name)
+        missing = BatchLLMError(
+            description=f"BigQuery dataset {ref.project}.{ref.dataset_id} does not exist."
+        )
+        try:
+            # Asked first: some emulators list a missing dataset as empty instead of a 404.
+            self.client.get_dataset(ref)
+            names = [t.table_id for t in self.client.list_tables(ref, page_size=1000)]
+        except NotFound:
+            raise missing from None
+        return sorted(names)[: max(0, limit)]
+
+
+def _struct(
+    row: dict[str, Any], id_type: str, output: OutputTable
+) -> bigquery.StructQueryParameter:
+    fields = [bigquery.ScalarQueryParameter("id", id_type, row["id"])]
+    for column, kind in output.columns:
+        value = row.get(column)
+        if kind == "timestamp" and isinstance(value, datetime) and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        fields.append(bigquery.ScalarQueryParameter(column, _TYPES[kind], value))
+    return bigquery.StructQueryParameter(None, *fields)
