@@ -339,7 +339,7 @@ def test_writes_merge_in_bounded_chunks_and_upsert(bq_endpoint, bq, dataset, mon
         assert s.count_output(out.name, "p") == 10
         # Replaces rows in place; the same id twice in one batch: the last one wins.
         s.write_results(out, [row(i, "ok", "fine") for i in range(5, 12)] + [row(11, "ok", "last")])
-        assert s.done_hashes(out, list(range(20))) == {i: f"h{i}" for i in range(5, 12)}
+        assert s.done_hashes(out, "p", list(range(20))) == {i: f"h{i}" for i in range(5, 12)}
     rows = query(
         bq,
         f"SELECT COUNT(*), COUNT(DISTINCT id), COUNTIF(status = 'ok') FROM `{dataset}`.`out_chunks`",

@@ -148,7 +148,7 @@ class PartitionRun:
     def _requests(self) -> Iterator[ChatRequest]:
         for chunk in self.db.read_slice(self.spec.source, self.where, self.spec.chunk_rows):
             done = self.db.done_hashes(
-                self.spec.output, [r[self.spec.source.id_column] for r in chunk]
+                self.spec.output, self.partition_key, [r[self.spec.source.id_column] for r in chunk]
             )
             for row in chunk:
                 rid = row[self.spec.source.id_column]

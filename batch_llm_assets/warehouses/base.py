@@ -108,8 +108,10 @@ class WarehouseSession(abc.ABC):
         """Create the output table if missing, with the source id's type."""
 
     @abc.abstractmethod
-    def done_hashes(self, output: OutputTable, ids: Sequence[Any]) -> dict[Any, str]:
-        """request_hash of the rows among `ids` that already succeeded."""
+    def done_hashes(
+        self, output: OutputTable, partition_key: str, ids: Sequence[Any]
+    ) -> dict[Any, str]:
+        """request_hash of the rows of this partition among `ids` that already succeeded."""
 
     @abc.abstractmethod
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:

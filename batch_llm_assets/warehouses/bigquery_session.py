@@ -266,7 +266,9 @@ class BigQuerySession(WarehouseSession):
             )
         self._id_types[table] = id_type
 
-    def done_hashes(self, output: OutputTable, ids: Sequence[Any]) -> dict[Any, str]:
+    def done_hashes(
+        self, output: OutputTable, partition_key: str, ids: Sequence[Any]
+    ) -> dict[Any, str]:
         table = output.name
         if not ids:
             return {}

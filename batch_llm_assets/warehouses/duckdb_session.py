@@ -114,7 +114,9 @@ class DuckDBSession(WarehouseSession):
             f"CREATE TABLE IF NOT EXISTS {_qt(table)} (id {id_type} PRIMARY KEY, {cols})"
         )
 
-    def done_hashes(self, output: OutputTable, ids: Sequence[Any]) -> dict[Any, str]:
+    def done_hashes(
+        self, output: OutputTable, partition_key: str, ids: Sequence[Any]
+    ) -> dict[Any, str]:
         if not ids:
             return {}
         with self._lock:
