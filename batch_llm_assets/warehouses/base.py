@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, date, datetime, time
 from typing import Any
 
 from ..engine.errors import BatchLLMError
@@ -65,6 +65,40 @@ class SliceFilter:
         return "range" if self.start is not None else "equals"
 
 
+def utc_window(where: SliceFilter) -> tuple[datetime, datetime]:
+    """The window's [start, end) as naive UTC datetimes (a naive bound is taken as UTC).
+
+    Sent to the database as plain TIMESTAMP values, so neither the process's time zone nor the
+    database session's can shift them.
+    """
+    if where.start is None or where.end is None:
+        raise ValueError("utc_window needs a time-window slice")
+    return tuple(  # type: ignore[return-value]
+        (v.astimezone(UTC) if v.tzinfo else v).replace(tzinfo=None)
+        for v in (where.start, where.end)
+    )
+
+
+def utc_days(where: SliceFilter, table: str) -> tuple[date, date]:
+    """The window as [first day, end day) for a DATE column, whose values are UTC days.
+
+    A window that does not start and end at UTC midnight (hourly partitions, or partitions in
+    another time zone) would cut a day in two: refused, naming the column and the window.
+    """
+    start, end = utc_window(where)
+    if start.time() != time(0) or end.time() != time(0):
+        raise BatchLLMError(
+            description=f"Partition column {table!r}.{where.column} is a DATE (a UTC day), but "
+            f"partition {where.label!r} covers [{start.isoformat()}Z, {end.isoformat()}Z), not "
+            "whole UTC days. Use daily (or longer) partitions in UTC, or a TIMESTAMP column."
+        )
+    return start.date(), end.date()
+
+
+# The output table's key: one row per source id per partition.
+OUTPUT_KEY = ("partition_key", "id")
+
+
 @dataclass(frozen=True)
 class OutputTable:
     """Where results go: the table and its columns after `id` as (name, logical type), the
@@ -89,13 +123,22 @@ class SourceRef:
 class WarehouseSession(abc.ABC):
     """One connection's worth of the operations a partition run needs."""
 
+    write_interval_s: float = 1.0
+    """Minimum seconds between two writes of one partition run. The pipeline's writer gathers
+    answers for at least this long before it calls write_results, so a run issues about one
+    data-changing statement per interval whatever the answer rate (BigQuery: a few seconds, as
+    each MERGE is a job of its own; DuckDB: 1 s)."""
+
     @abc.abstractmethod
     def check_source(self, source: SourceRef) -> None:
         """Raise a clear error if the table or any named column does not exist."""
 
     @abc.abstractmethod
     def slice_stats(self, source: SourceRef, where: SliceFilter) -> tuple[int, list[Any], int]:
-        """(rows, up to 5 duplicate ids, NULL ids) of the slice."""
+        """(rows, up to 5 duplicate ids, ids that cannot key a row) of the slice.
+
+        The last count is of NULL ids and, for floating-point id columns, NaN and infinite ones.
+        """
 
     @abc.abstractmethod
     def read_slice(
@@ -105,7 +148,11 @@ class WarehouseSession(abc.ABC):
 
     @abc.abstractmethod
     def ensure_output(self, output: OutputTable, source: SourceRef) -> None:
-        """Create the output table if missing, with the source id's type."""
+        """Create the output table if missing, with the source id's type, keyed by OUTPUT_KEY.
+
+        An existing table gains the output schema's new columns (nullable); one keyed by id
+        alone (the older layout) is migrated or refused with how to migrate; a column whose type
+        changed is refused, naming it and both types."""
 
     @abc.abstractmethod
     def done_hashes(
@@ -115,7 +162,8 @@ class WarehouseSession(abc.ABC):
 
     @abc.abstractmethod
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
-        """Upsert by id, atomically: after it, each id has exactly one row."""
+        """Upsert by (partition_key, id): after it, each key has exactly one row. Each
+        statement is atomic; of two rows with the same key in `rows`, the last one wins."""
 
     @abc.abstractmethod
     def count_output(self, table: str, partition_key: str) -> int:

@@ -1,4 +1,11 @@
-"""DuckDB sessions: the SQL a partition run needs, on one connection (one writer at a time)."""
+"""DuckDB sessions: the SQL a partition run needs, on one connection (one writer at a time).
+
+- Output rows are keyed by (partition_key, id): the table's primary key. A table of the older
+  layout (PRIMARY KEY (id)) is rebuilt with the new key in one transaction.
+- Time-window slices select [start, end) in UTC whatever the process's or the connection's
+  TimeZone: naive TIMESTAMP and DATE values are read as UTC, ISO-8601 strings without an offset
+  too; the window's bounds are sent as naive UTC values, never as local times.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +18,25 @@ import pandas as pd
 
 from ..engine.errors import BatchLLMError
 from .base import (
+    OUTPUT_KEY,
     OutputTable,
     SliceFilter,
     SourceRef,
     WarehouseSession,
     check_identifier,
     check_table,
+    utc_days,
+    utc_window,
 )
 
 _NULLABLE = {"int": "Int64", "float": "Float64"}
 _TYPES = {"string": "VARCHAR", "int": "BIGINT", "float": "DOUBLE", "timestamp": "TIMESTAMPTZ"}
+# information_schema spells some types out.
+_SPELLED = {"TIMESTAMPTZ": "TIMESTAMP WITH TIME ZONE"}
+_NAIVE_TIMESTAMPS = frozenset({"TIMESTAMP", "TIMESTAMP_NS", "TIMESTAMP_MS", "TIMESTAMP_S"})
+_FLOATS = frozenset({"FLOAT", "DOUBLE", "REAL"})
+# An ISO-8601 string that ends in a UTC offset (Z, +05:30, -0500, +01) after a time of day.
+_HAS_OFFSET = r"[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?\s*([Zz]|[+-]\d{2}(:?\d{2})?)$"
 
 
 def _q(name: str) -> str:
@@ -32,6 +48,8 @@ def _qt(table: str) -> str:
 
 
 class DuckDBSession(WarehouseSession):
+    write_interval_s = 1.0
+
     def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
         self.conn = conn
         # Reads stream on their own cursor; lookups and writes share this one from worker
@@ -39,6 +57,7 @@ class DuckDBSession(WarehouseSession):
         self._lock = threading.Lock()
 
     def _columns(self, table: str) -> dict[str, str]:
+        """Column name -> type, in the table's order ({} if there is no such table)."""
         parts = check_table(table)
         name, schema = parts[-1], (parts[-2] if len(parts) > 1 else None)
         sql = "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ?"
@@ -46,7 +65,20 @@ class DuckDBSession(WarehouseSession):
         if schema:
             sql += " AND table_schema = ?"
             params.append(schema)
-        return dict(self.conn.execute(sql, params).fetchall())
+        return dict(self.conn.execute(sql + " ORDER BY ordinal_position", params).fetchall())
+
+    def _primary_key(self, table: str) -> list[str]:
+        parts = check_table(table)
+        sql = (
+            "SELECT constraint_column_names FROM duckdb_constraints() "
+            "WHERE constraint_type = 'PRIMARY KEY' AND table_name = ?"
+        )
+        params: list[Any] = [parts[-1]]
+        if len(parts) > 1:
+            sql += " AND schema_name = ?"
+            params.append(parts[-2])
+        row = self.conn.execute(sql, params).fetchone()
+        return list(row[0]) if row else []
 
     def check_source(self, source: SourceRef) -> None:
         columns = self._columns(source.table)
@@ -62,34 +94,59 @@ class DuckDBSession(WarehouseSession):
                 f"it has {sorted(columns)}."
             )
 
-    @staticmethod
-    def _where(where: SliceFilter) -> tuple[str, list[Any]]:
+    def _where(self, source: SourceRef, where: SliceFilter) -> tuple[str, list[Any]]:
         if where.kind == "all":
             return "TRUE", []
-        col = _q(where.column or "")
-        if where.kind == "range":
-            return f"{col} >= ? AND {col} < ?", [where.start, where.end]
-        return f"{col} = ?", [where.value]
+        column = where.column or ""
+        col = _q(column)
+        if where.kind == "equals":
+            return f"{col} = ?", [where.value]
+        kind = self._columns(source.table).get(column, "")
+        start, end = utc_window(where)
+        if kind in _NAIVE_TIMESTAMPS:  # wall-clock values, read as UTC
+            return f"{col} >= CAST(? AS TIMESTAMP) AND {col} < CAST(? AS TIMESTAMP)", [start, end]
+        if kind == "TIMESTAMP WITH TIME ZONE":  # instants: compared as instants
+            bound = "(CAST(? AS TIMESTAMP) AT TIME ZONE 'UTC')"
+            return f"{col} >= {bound} AND {col} < {bound}", [start, end]
+        if kind == "DATE":
+            days = utc_days(where, source.table)
+            return f"{col} >= CAST(? AS DATE) AND {col} < CAST(? AS DATE)", list(days)
+        if kind == "VARCHAR":
+            parsed = (
+                f"(CASE WHEN regexp_matches({col}, '{_HAS_OFFSET}') "
+                f"THEN TRY_CAST({col} AS TIMESTAMPTZ) "
+                f"ELSE TRY_CAST({col} AS TIMESTAMP) AT TIME ZONE 'UTC' END)"
+            )
+            bound = "(CAST(? AS TIMESTAMP) AT TIME ZONE 'UTC')"
+            return f"{parsed} >= {bound} AND {parsed} < {bound}", [start, end]
+        raise BatchLLMError(
+            description=f"Partition column {source.table!r}.{column} has type {kind or 'unknown'}: "
+            "a time-window partition needs a TIMESTAMP, TIMESTAMPTZ, DATE or VARCHAR (ISO-8601) "
+            "column."
+        )
 
     def slice_stats(self, source: SourceRef, where: SliceFilter) -> tuple[int, list[Any], int]:
-        cond, params = self._where(where)
+        cond, params = self._where(source, where)
         idc = _q(source.id_column)
         table = _qt(source.table)
-        rows, nulls = self.conn.execute(
-            f"SELECT count(*), count(*) FILTER (WHERE {idc} IS NULL) FROM {table} WHERE {cond}",
+        bad = f"{idc} IS NULL"
+        if self._columns(source.table).get(source.id_column) in _FLOATS:
+            bad = f"({bad} OR isnan({idc}) OR isinf({idc}))"
+        rows, bad_ids = self.conn.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE {bad}) FROM {table} WHERE {cond}",
             params,
         ).fetchone()
         dups = self.conn.execute(
-            f"SELECT {idc} FROM {table} WHERE {cond} AND {idc} IS NOT NULL "
+            f"SELECT {idc} FROM {table} WHERE {cond} AND NOT {bad} "
             f"GROUP BY {idc} HAVING count(*) > 1 ORDER BY {idc} LIMIT 5",
             params,
         ).fetchall()
-        return rows, [d[0] for d in dups], nulls
+        return rows, [d[0] for d in dups], bad_ids
 
     def read_slice(
         self, source: SourceRef, where: SliceFilter, chunk_rows: int
     ) -> Iterator[list[dict[str, Any]]]:
-        cond, params = self._where(where)
+        cond, params = self._where(source, where)
         names = [source.id_column, *source.columns]
         cols = ", ".join(_q(c) for c in names)
         cursor = self.conn.cursor()  # its own cursor: writes go through self.conn meanwhile
@@ -103,16 +160,84 @@ class DuckDBSession(WarehouseSession):
         finally:
             cursor.close()
 
+    # -- the output table --------------------------------------------------------------------
     def ensure_output(self, output: OutputTable, source: SourceRef) -> None:
-        id_type = self._columns(source.table).get(source.id_column, "VARCHAR")
+        """Create the table keyed by (partition_key, id); bring an older one up to date.
+
+        An older table keyed by id alone is rebuilt with the new key (one transaction); columns
+        the output schema gained are added (nullable); a column whose type changed is refused.
+        """
         table = output.name
         parts = check_table(table)
-        if len(parts) > 1:
-            self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {'.'.join(_q(p) for p in parts[:-1])}")
-        cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
-        self.conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {_qt(table)} (id {id_type} PRIMARY KEY, {cols})"
-        )
+        with self._lock:
+            existing = self._columns(table)
+            if not existing:
+                id_type = self._columns(source.table).get(source.id_column, "VARCHAR")
+                if len(parts) > 1:
+                    schema = ".".join(_q(p) for p in parts[:-1])
+                    self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+                cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
+                key = ", ".join(_q(c) for c in OUTPUT_KEY)
+                self.conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS {_qt(table)} "
+                    f"(id {id_type}, {cols}, PRIMARY KEY ({key}))"
+                )
+                return
+            self._check_types(table, existing, output)
+            key = self._primary_key(table)
+            if key == ["id"]:
+                self._rekey(table, existing)
+            elif key != list(OUTPUT_KEY):
+                raise BatchLLMError(
+                    description=f"Output table {table!r} has primary key {key or 'none'}; "
+                    f"results are keyed by {list(OUTPUT_KEY)}. Rename or drop it (a new one is "
+                    "created), or rebuild it with PRIMARY KEY (partition_key, id)."
+                )
+            for column, kind in output.columns:
+                if column not in existing:
+                    self.conn.execute(
+                        f"ALTER TABLE {_qt(table)} ADD COLUMN {_q(column)} {_TYPES[kind]}"
+                    )
+
+    @staticmethod
+    def _check_types(table: str, existing: dict[str, str], output: OutputTable) -> None:
+        if "id" not in existing:
+            raise BatchLLMError(description=f"Output table {table!r} has no id column.")
+        wrong = []
+        for column, kind in output.columns:
+            want = _SPELLED.get(_TYPES[kind], _TYPES[kind])
+            have = existing.get(column)
+            if have is not None and have != want:
+                wrong.append(f"{column} is {have}, expected {want}")
+        if wrong:
+            raise BatchLLMError(
+                description=f"Output table {table!r} exists with a different schema: "
+                f"{', '.join(wrong)}. Rename or drop it (a new one is created), or alter those "
+                "columns."
+            )
+
+    def _rekey(self, table: str, existing: dict[str, str]) -> None:
+        """Rebuild a table keyed by id alone with the (partition_key, id) key, atomically."""
+        parts = check_table(table)
+        old = parts[-1] + "__bla_rekey"
+        qold = ".".join([*('"' + p + '"' for p in parts[:-1]), _q(old)])
+        cols = ", ".join(f"{_q(c)} {t}" for c, t in existing.items())
+        names = ", ".join(_q(c) for c in existing)
+        key = ", ".join(_q(c) for c in OUTPUT_KEY)
+        self.conn.execute("BEGIN TRANSACTION")
+        try:
+            self.conn.execute(f"ALTER TABLE {_qt(table)} RENAME TO {_q(old)}")
+            self.conn.execute(f"CREATE TABLE {_qt(table)} ({cols}, PRIMARY KEY ({key}))")
+            self.conn.execute(f"INSERT INTO {_qt(table)} ({names}) SELECT {names} FROM {qold}")
+            self.conn.execute(f"DROP TABLE {qold}")
+            self.conn.execute("COMMIT")
+        except duckdb.Error as exc:
+            self.conn.execute("ROLLBACK")
+            raise BatchLLMError(
+                description=f"Output table {table!r} is keyed by id alone (an older layout) and "
+                f"could not be rebuilt with the key (partition_key, id): {exc}. Nothing was "
+                "changed; fill its NULL partition_key values, or rename or drop it."
+            ) from None
 
     def done_hashes(
         self, output: OutputTable, partition_key: str, ids: Sequence[Any]
@@ -120,17 +245,16 @@ class DuckDBSession(WarehouseSession):
         if not ids:
             return {}
         with self._lock:
-            return self._done_hashes(output.name, ids)
-
-    def _done_hashes(self, table: str, ids: Sequence[Any]) -> dict[Any, str]:
-        self.conn.register("_bla_wanted", pd.DataFrame({"id": list(ids)}))
-        try:
-            rows = self.conn.execute(
-                f"SELECT o.id, o.request_hash FROM {_qt(table)} o "
-                "JOIN _bla_wanted w ON o.id = w.id WHERE o.status = 'ok'"
-            ).fetchall()
-        finally:
-            self.conn.unregister("_bla_wanted")
+            self.conn.register("_bla_wanted", pd.DataFrame({"id": list(ids)}))
+            try:
+                rows = self.conn.execute(
+                    f"SELECT o.id, o.request_hash FROM {_qt(output.name)} o "
+                    "JOIN _bla_wanted w ON o.id = w.id "
+                    "WHERE o.partition_key = ? AND o.status = 'ok'",
+                    [partition_key],
+                ).fetchall()
+            finally:
+                self.conn.unregister("_bla_wanted")
         return dict(rows)
 
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
@@ -140,8 +264,9 @@ class DuckDBSession(WarehouseSession):
             self._write(output, rows)
 
     def _write(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
-        table = output.name
-        frame = pd.DataFrame(rows, columns=output.names)
+        # One source row per key: an upsert may not touch the same row twice in one statement.
+        latest = {(row.get("partition_key"), row["id"]): row for row in rows}
+        frame = pd.DataFrame(list(latest.values()), columns=output.names)
         for col, kind in output.columns:  # nullable dtypes: a missing number is NULL, not NaN
             if kind in _NULLABLE:
                 frame[col] = frame[col].astype(_NULLABLE[kind])
@@ -150,7 +275,8 @@ class DuckDBSession(WarehouseSession):
         try:
             # One statement, one transaction: a crash leaves the chunk all written or not at all.
             self.conn.execute(
-                f"INSERT OR REPLACE INTO {_qt(table)} ({names}) SELECT {names} FROM _bla_results"
+                f"INSERT OR REPLACE INTO {_qt(output.name)} ({names}) "
+                f"SELECT {names} FROM _bla_results"
             )
         finally:
             self.conn.unregister("_bla_results")

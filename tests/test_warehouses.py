@@ -1,0 +1,354 @@
+"""DuckDB as the warehouse: output keyed by (partition_key, id), migration of older output tables,
+UTC-exact time-window slices, ids that cannot key a row."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, date, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import dagster as dg
+import duckdb
+import pytest
+
+from batch_llm_assets import (
+    DuckDBWarehouse,
+    LLMResource,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+)
+from batch_llm_assets.assets.schema import OUTPUT_COLUMNS, output_table
+from batch_llm_assets.engine.errors import BatchLLMError
+from batch_llm_assets.warehouses.base import OutputTable, SliceFilter, SourceRef
+from batch_llm_assets.warehouses.duckdb_session import DuckDBSession
+
+from .conftest import SIM_KEY
+from .conftest import duckdb_query as query
+
+TABLES = dg.DynamicPartitionsDefinition(name="input_tables")
+N = 6
+
+
+def llm(sim):
+    return LLMResource(base_url=sim.url, api_key=SIM_KEY, model="gpt-4o-mini", max_attempts=3)
+
+
+# -- keys ------------------------------------------------------------------------------------
+def test_one_table_per_partition_keeps_every_partition(tmp_path, fresh_sim):
+    """Ids 1..N in every input table: each partition keeps its own N rows, and a new table whose
+    rows equal an older table's is answered, not 'skipped' as done."""
+    db = str(tmp_path / "w.duckdb")
+    tables = ["t1", "t2", "t3"]
+    with duckdb.connect(db) as con:
+        con.execute("CREATE SCHEMA incoming")
+        for name in tables:  # t1 and t2 hold the very same rows
+            text = "'headline ' || range" if name != "t3" else "'other ' || range"
+            con.execute(
+                f"CREATE TABLE incoming.{name} AS SELECT range + 1 AS id, {text} AS headline "
+                f"FROM range({N})"
+            )
+    a = build_llm_batch_asset(
+        name="incoming_sentiment",
+        source=SourceTable(table="incoming.{partition_key}", columns=["headline"]),
+        prompt=Prompt(template="{{ headline }} Answer with one of: up, down"),
+        output="incoming_sentiment",
+        partitions_def=TABLES,
+    )
+    resources = {"llm": llm(fresh_sim), "warehouse": DuckDBWarehouse(database=db)}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("input_tables", tables)
+        for key in tables:
+            result = dg.materialize([a], instance=instance, partition_key=key, resources=resources)
+            md = result.asset_materializations_for_node("incoming_sentiment")[0].metadata
+            assert md["rows_ok"].value == N and md["rows_skipped"].value == 0, key
+        # A rerun of one partition skips exactly its own rows.
+        again = dg.materialize([a], instance=instance, partition_key="t2", resources=resources)
+        md = again.asset_materializations_for_node("incoming_sentiment")[0].metadata
+        assert md["rows_skipped"].value == N and md["rows_ok"].value == 0
+    counts = query(
+        db,
+        "SELECT partition_key, count(*), count(DISTINCT id) FROM incoming_sentiment "
+        "GROUP BY 1 ORDER BY 1",
+    )
+    assert counts == [(t, N, N) for t in tables]
+    assert fresh_sim.stats()["answered"] == len(tables) * N
+
+
+OLD_DDL = """CREATE TABLE out (id BIGINT PRIMARY KEY, partition_key VARCHAR, response VARCHAR,
+    status VARCHAR, error_class VARCHAR, error VARCHAR, model VARCHAR, prompt_tokens BIGINT,
+    completion_tokens BIGINT, cost_usd DOUBLE, latency_ms DOUBLE, attempts BIGINT,
+    request_hash VARCHAR, completed_at TIMESTAMPTZ)"""
+
+
+def result_row(i, key, status="ok", **kw):
+    return {"id": i, "partition_key": key, "status": status, "request_hash": f"h{key}{i}"} | kw
+
+
+@pytest.fixture
+def con():
+    conn = duckdb.connect()
+    conn.execute("CREATE TABLE src (id BIGINT, headline VARCHAR)")
+    yield conn
+    conn.close()
+
+
+SRC = SourceRef("src", "id", ("headline",))
+
+
+def primary_key(conn, table="out"):
+    return conn.execute(
+        "SELECT constraint_column_names FROM duckdb_constraints() "
+        "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'",
+        [table],
+    ).fetchone()[0]
+
+
+def test_an_output_table_keyed_by_id_is_rebuilt_with_the_partition_key(con):
+    con.execute(OLD_DDL)  # the previous version's layout
+    con.execute(
+        "INSERT INTO out (id, partition_key, status, request_hash) VALUES (1, 'a', 'ok', 'x')"
+    )
+    con.execute(
+        "INSERT INTO out (id, partition_key, status, request_hash) VALUES (2, 'a', 'ok', 'y')"
+    )
+    s = DuckDBSession(con)
+    s.ensure_output(output_table("out"), SRC)
+    assert primary_key(con) == ["partition_key", "id"]
+    assert con.execute(
+        "SELECT id, partition_key, request_hash FROM out ORDER BY id"
+    ).fetchall() == [
+        (1, "a", "x"),
+        (2, "a", "y"),
+    ]
+    # The same ids in another partition are new rows; partition a is untouched.
+    s.write_results(output_table("out"), [result_row(1, "b"), result_row(2, "b", "failed")])
+    assert s.count_output("out", "a") == s.count_output("out", "b") == 2
+    assert s.done_hashes(output_table("out"), "a", [1, 2, 3]) == {1: "x", 2: "y"}
+    assert s.done_hashes(output_table("out"), "b", [1, 2, 3]) == {1: "hb1"}
+    s.ensure_output(output_table("out"), SRC)  # idempotent
+    assert con.execute("SELECT count(*) FROM out").fetchone() == (4,)
+
+
+def test_an_old_table_that_cannot_be_rekeyed_is_left_as_it_was(con):
+    con.execute(OLD_DDL)
+    con.execute(
+        "INSERT INTO out (id, partition_key, status) VALUES (1, NULL, 'ok'), (2, 'a', 'ok')"
+    )
+    with pytest.raises(BatchLLMError, match=r"keyed by id alone .* NULL partition_key"):
+        DuckDBSession(con).ensure_output(output_table("out"), SRC)
+    assert primary_key(con) == ["id"]
+    assert con.execute("SELECT count(*) FROM out").fetchone() == (2,)
+    tables = con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()
+    assert tables == [("out",), ("src",)]
+
+
+def test_a_table_with_another_key_is_refused(con):
+    con.execute(
+        "CREATE TABLE out (id BIGINT, partition_key VARCHAR, PRIMARY KEY (id, partition_key))"
+    )
+    with pytest.raises(BatchLLMError, match=r"primary key \['id', 'partition_key'\].*PRIMARY KEY"):
+        DuckDBSession(con).ensure_output(output_table("out"), SRC)
+
+
+def test_new_output_columns_are_added_and_changed_types_refused(con):
+    s = DuckDBSession(con)
+    s.ensure_output(output_table("out"), SRC)
+    s.write_results(output_table("out"), [result_row(1, "a", response="r")])
+    grown = OutputTable(
+        "out", (*OUTPUT_COLUMNS, ("finish_reason", "string"), ("total_ms", "float"))
+    )
+    s.ensure_output(grown, SRC)
+    types = dict(
+        con.execute(
+            "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = 'out'"
+        ).fetchall()
+    )
+    assert types["finish_reason"] == "VARCHAR" and types["total_ms"] == "DOUBLE"
+    assert con.execute("SELECT response, finish_reason FROM out").fetchall() == [("r", None)]
+    s.write_results(grown, [result_row(2, "a", finish_reason="stop", total_ms=1.5)])
+    assert con.execute("SELECT finish_reason, total_ms FROM out WHERE id = 2").fetchone() == (
+        "stop",
+        1.5,
+    )
+    changed = OutputTable("out", (*OUTPUT_COLUMNS, ("finish_reason", "int")))
+    with pytest.raises(BatchLLMError, match="finish_reason is VARCHAR, expected BIGINT"):
+        s.ensure_output(changed, SRC)
+
+
+# -- ids that cannot key a row ---------------------------------------------------------------
+def test_nan_and_infinite_ids_are_refused_before_anything_is_sent(tmp_path, fresh_sim):
+    db = str(tmp_path / "w.duckdb")
+    with duckdb.connect(db) as con:
+        con.execute("CREATE TABLE t (id DOUBLE, headline VARCHAR, region VARCHAR DEFAULT 'eu')")
+        con.execute(
+            "INSERT INTO t (id, headline) VALUES (1, 'a'), ('nan', 'b'), ('inf', 'c'), ('-inf', 'd'), "
+            "(NULL, 'e'), (2, 'f'), (2, 'g')"
+        )
+        s = DuckDBSession(con)
+        rows, dups, bad = s.slice_stats(SourceRef("t", "id", ("headline",)), SliceFilter())
+        assert (rows, dups, bad) == (7, [2.0], 4)
+    a = build_llm_batch_asset(
+        name="s",
+        source=SourceTable(table="t", partition_column="region", columns=["headline"]),
+        prompt="{{ headline }}",
+        output="o",
+        partitions_def=dg.StaticPartitionsDefinition(["eu"]),
+    )
+    result = dg.materialize(
+        [a],
+        partition_key="eu",
+        resources={"llm": llm(fresh_sim), "warehouse": DuckDBWarehouse(database=db)},
+        raise_on_error=False,
+    )
+    assert not result.success
+    message = result.get_step_failure_events()[0].step_failure_data.error.message
+    assert "4 row(s)" in message and "NaN or infinite 'id'" in message
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+# -- UTC-exact slices ------------------------------------------------------------------------
+DAY = SliceFilter(
+    column="ts",
+    start=datetime(2026, 11, 1, tzinfo=UTC),
+    end=datetime(2026, 11, 2, tzinfo=UTC),
+    label="2026-11-01",
+)
+TICK = timedelta(microseconds=1)
+MIDNIGHT = datetime(2026, 11, 1)
+# (value, in the 2026-11-01 UTC day?) per column type; rows sit on and next to both midnights.
+INSTANTS = [
+    (MIDNIGHT - TICK, False),
+    (MIDNIGHT, True),
+    (MIDNIGHT + timedelta(hours=12), True),
+    (MIDNIGHT + timedelta(days=1) - TICK, True),
+    (MIDNIGHT + timedelta(days=1), False),
+]
+DATES = [(date(2026, 10, 31), False), (date(2026, 11, 1), True), (date(2026, 11, 2), False)]
+ISO = [
+    ("2026-10-31T23:59:59.999999Z", False),
+    ("2026-11-01T00:00:00Z", True),
+    ("2026-11-01 05:29:59+05:30", False),
+    ("2026-11-01T05:30:00+05:30", True),
+    ("2026-11-01T00:00:00", True),
+    ("2026-11-01", True),
+    ("2026-11-01T23:59:59.999999", True),
+    ("2026-11-01T18:59:59-05:00", True),
+    ("2026-11-01T19:00:00-0500", False),
+    ("2026-11-02T00:00:00+00:00", False),
+    ("2026-11-02", False),
+    ("2026-10-31 23:00:00", False),
+]
+COLUMNS = {
+    "TIMESTAMP": INSTANTS,
+    "TIMESTAMPTZ": [(v.replace(tzinfo=UTC), inside) for v, inside in INSTANTS],
+    "DATE": DATES,
+    "VARCHAR": ISO,
+}
+
+
+def slice_table(con, kind):
+    """Table t_<kind> (id, ts <kind>, x) holding COLUMNS[kind]; the ids expected in DAY."""
+    con.execute(f"CREATE TABLE t_{kind} (id INTEGER, ts {kind}, x VARCHAR)")
+    for i, (value, _) in enumerate(COLUMNS[kind]):
+        if kind == "TIMESTAMPTZ":  # an instant, whatever the session's TimeZone
+            con.execute(
+                f"INSERT INTO t_{kind} VALUES (?, CAST(? AS TIMESTAMP) AT TIME ZONE 'UTC', 'x')",
+                [i, value.replace(tzinfo=None)],
+            )
+        else:
+            con.execute(f"INSERT INTO t_{kind} VALUES (?, CAST(? AS {kind}), 'x')", [i, value])
+    return {i for i, (_, inside) in enumerate(COLUMNS[kind]) if inside}
+
+
+@pytest.fixture(params=["UTC", "America/New_York", "Asia/Kolkata"])
+def process_tz(request, monkeypatch):
+    monkeypatch.setenv("TZ", request.param)
+    time.tzset()
+    yield request.param
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.parametrize("db_tz", ["UTC", "America/New_York", "Asia/Kolkata"])
+def test_time_window_slices_are_exact_in_utc(process_tz, db_tz):
+    con = duckdb.connect()
+    # GLOBAL: read_slice streams on its own cursor, which takes the database's setting.
+    con.execute(f"SET GLOBAL TimeZone = '{db_tz}'")
+    assert con.cursor().execute("SELECT current_setting('TimeZone')").fetchone() == (db_tz,)
+    s = DuckDBSession(con)
+    for kind in COLUMNS:
+        expected = slice_table(con, kind)
+        src = SourceRef(f"t_{kind}", "id", ("x",), "ts")
+        assert s.slice_stats(src, DAY) == (len(expected), [], 0), kind
+        got = {r["id"] for chunk in s.read_slice(src, DAY, 2) for r in chunk}
+        assert got == expected, (kind, process_tz, db_tz)
+    # A window given in another time zone selects the same instants.
+    ny = ZoneInfo("America/New_York")
+    evening = SliceFilter(
+        column="ts",
+        start=datetime(2026, 10, 31, 22, tzinfo=ny),  # EDT: 02:00Z
+        end=datetime(2026, 11, 1, 18, tzinfo=ny),  # EST after the DST change: 23:00Z
+        label="2026-11-01",
+    )
+    src = SourceRef("t_TIMESTAMPTZ", "id", ("x",), "ts")
+    got = {r["id"] for chunk in s.read_slice(src, evening, 100) for r in chunk}
+    assert got == {2}  # noon UTC only
+    con.close()
+
+
+def test_slices_of_other_column_types_or_split_days_are_clear_errors(con):
+    con.execute("CREATE TABLE t (id INTEGER, ts INTEGER, day DATE, x VARCHAR)")
+    s = DuckDBSession(con)
+    with pytest.raises(BatchLLMError, match=r"'t'.ts has type INTEGER"):
+        s.slice_stats(SourceRef("t", "id", ("x",), "ts"), DAY)
+    ny = ZoneInfo("America/New_York")
+    ny_day = SliceFilter(
+        column="day",
+        start=datetime(2026, 11, 1, tzinfo=ny),
+        end=datetime(2026, 11, 2, tzinfo=ny),
+        label="2026-11-01",
+    )
+    with pytest.raises(BatchLLMError, match=r"'t'.day is a DATE .* not whole UTC days"):
+        s.slice_stats(SourceRef("t", "id", ("x",), "day"), ny_day)
+
+
+E2E = """
+import sys, dagster as dg
+from batch_llm_assets import DuckDBWarehouse, LLMResource, SourceTable, build_llm_batch_asset
+db, url, key = sys.argv[1:4]
+a = build_llm_batch_asset(
+    name="s", source=SourceTable(table="d", partition_column="day", columns=["headline"]),
+    prompt="{{ headline }}", output="o",
+    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-10-30"),
+)
+llm = LLMResource(base_url=url, api_key=key, model="gpt-4o-mini")
+result = dg.materialize([a], partition_key="2026-11-01",
+                        resources={"llm": llm, "warehouse": DuckDBWarehouse(database=db)})
+assert result.success
+"""
+
+
+def test_a_daily_asset_on_a_date_column_under_kolkata(tmp_path, fresh_sim):
+    """The issue's case end to end, in a process whose local time zone (and so DuckDB's default
+    TimeZone) is Asia/Kolkata: partition 2026-11-01 of a DATE column took 11-02's rows."""
+    db = str(tmp_path / "w.duckdb")
+    with duckdb.connect(db) as con:
+        con.execute("CREATE TABLE d (id INTEGER, day DATE, headline VARCHAR)")
+        con.execute(
+            "INSERT INTO d VALUES (1, '2026-10-31', 'a'), (2, '2026-11-01', 'b'), "
+            "(3, '2026-11-01', 'c'), (4, '2026-11-02', 'd')"
+        )
+    env = {**os.environ, "TZ": "Asia/Kolkata"}
+    run = subprocess.run(
+        [sys.executable, "-c", E2E, db, fresh_sim.url, SIM_KEY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert query(db, "SELECT id FROM o ORDER BY id") == [(2,), (3,)]
