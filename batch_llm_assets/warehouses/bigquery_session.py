@@ -1,12 +1,16 @@
 """BigQuery sessions: the SQL a partition run needs, on a google-cloud-bigquery client.
 
-- Slices are selected with query parameters (TIMESTAMP for time windows, STRING/INT64 for
-  equality); names are checked (`check_identifier`, plus a project-id pattern) and backquoted.
+- Slices are selected with query parameters; time windows are exact in UTC (TIMESTAMP compared
+  as instants, DATETIME and DATE values read as UTC, ISO-8601 strings parsed with their own
+  offset or as UTC); names are checked (`check_identifier`, plus a project-id pattern) and
+  backquoted.
 - Results are read page by page (`result(page_size=chunk_rows)`), never all at once. The REST
   pages are enough here: the LLM, not the read, bounds a partition's speed.
-- Results are upserted with one MERGE per chunk, from UNNEST of an ARRAY<STRUCT> query parameter.
-  No streaming inserts: on the real service, rows still in the streaming buffer cannot be
-  updated or deleted, so a rerun could not replace them.
+- Results are upserted with one MERGE per partition and chunk (see `bigquery_dml`), from UNNEST
+  of an ARRAY<STRUCT> query parameter, into a table clustered by (partition_key, id). No
+  streaming inserts: on the real service, rows still in the streaming buffer cannot be updated
+  or deleted, so a rerun could not replace them. The pipeline writes at most every
+  `write_interval_s` (5 s), so a run issues about one MERGE per interval.
 """
 
 from __future__ import annotations
@@ -14,14 +18,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any
 
-from google.api_core.exceptions import NotFound
+from google.api_core.exceptions import NotFound, PreconditionFailed
 from google.cloud import bigquery
 
 from ..engine.errors import BatchLLMError
 from .base import (
+    OUTPUT_KEY,
     InvalidIdentifierError,
     OutputTable,
     SliceFilter,
@@ -29,13 +34,16 @@ from .base import (
     WarehouseSession,
     check_identifier,
     check_table,
+    utc_days,
+    utc_window,
 )
+from .bigquery_dml import TYPES as _TYPES
+from .bigquery_dml import merge_sql, run_dml, struct
 
 # A Google Cloud project id: 6-30 characters, lowercase letters, digits and hyphens, starting with
 # a letter and not ending with a hyphen. Only this part of a table name may contain '-'.
 _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 
-_TYPES = {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"}
 # The REST API's legacy type names -> GoogleSQL names.
 _LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL", "RECORD": "STRUCT"}
 # Types an id column may have: usable as a MERGE key and as a query parameter.
@@ -47,10 +55,13 @@ _CLUSTERABLE = frozenset(
 )
 
 # One MERGE carries at most this many rows and this many bytes of JSON-encoded parameter values:
-# far below BigQuery's limits on a query request (10 MB) and on a resolved query (12 MB), and
-# small enough that one statement finishes quickly. A single larger row is sent on its own.
-MERGE_MAX_ROWS = 500
-MERGE_MAX_BYTES = 2 * 1024 * 1024
+# below BigQuery's limits on a query request (10 MB) and on a resolved query (12 MB), and large
+# enough that one write interval's answers usually fit one statement (BigQuery runs two mutating
+# DML statements per table at a time and queues 20). A single larger row is sent on its own.
+MERGE_MAX_ROWS = 20_000
+MERGE_MAX_BYTES = 6 * 1024 * 1024
+# An ISO-8601 string that carries its own offset (Z, UTC, +05:30, -0500) after a time of day.
+_HAS_OFFSET = r"[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?\s*([Zz]|UTC|[+-]\d{2}(:?\d{2})?)$"
 # done_hashes looks ids up this many at a time (one ARRAY parameter each).
 LOOKUP_MAX_IDS = 10_000
 
@@ -94,6 +105,8 @@ def _qt(table: str) -> str:
 
 
 class BigQuerySession(WarehouseSession):
+    write_interval_s = 5.0  # each MERGE is a job of 1-5 s: about one per interval per run
+
     def __init__(self, client: bigquery.Client) -> None:
         self.client = client
         self._schemas: dict[str, dict[str, str]] = {}
@@ -176,21 +189,7 @@ class BigQuerySession(WarehouseSession):
         col = _q(column)
         kind = self._schema(source.table).get(column)
         if where.kind == "range":
-            start, end = where.start, where.end
-            assert start is not None and end is not None
-            if kind == "DATE":
-                values: tuple[Any, Any] = (start.date(), end.date())
-            elif kind == "DATETIME":  # wall-clock time in the partitions' timezone
-                values = (start.replace(tzinfo=None), end.replace(tzinfo=None))
-            else:
-                kind = "TIMESTAMP"
-                values = tuple(
-                    v.astimezone(UTC) if v.tzinfo else v.replace(tzinfo=UTC) for v in (start, end)
-                )
-            return f"{col} >= @slice_start AND {col} < @slice_end", [
-                bigquery.ScalarQueryParameter("slice_start", kind, values[0]),
-                bigquery.ScalarQueryParameter("slice_end", kind, values[1]),
-            ]
+            return self._window(source, where, col, kind)
         value = where.value
         if kind == "INT64":
             try:
@@ -209,6 +208,38 @@ class BigQuerySession(WarehouseSession):
                 "partitions for TIMESTAMP, DATETIME and DATE columns)."
             )
         return f"{col} = @slice_value", [bigquery.ScalarQueryParameter("slice_value", kind, value)]
+
+    def _window(
+        self, source: SourceRef, where: SliceFilter, col: str, kind: str | None
+    ) -> tuple[str, list[Any]]:
+        """[start, end) in UTC: no value here depends on a process's or session's time zone."""
+        start, end = utc_window(where)
+        cond = f"{col} >= @slice_start AND {col} < @slice_end"
+        if kind == "TIMESTAMP":
+            ptype, values = "TIMESTAMP", (start.replace(tzinfo=UTC), end.replace(tzinfo=UTC))
+        elif kind == "DATETIME":  # wall-clock values, read as UTC
+            ptype, values = "DATETIME", (start, end)
+        elif kind == "DATE":  # UTC days
+            ptype, values = "DATE", utc_days(where, source.table)
+        elif kind == "STRING":
+            # With an offset the string says which instant it is; without one it is UTC.
+            # (TIMESTAMP(s, 'UTC') alone would do on BigQuery; the CASE keeps the emulator exact.)
+            parsed = (
+                f"(CASE WHEN REGEXP_CONTAINS({col}, r'{_HAS_OFFSET}') "
+                f"THEN SAFE_CAST({col} AS TIMESTAMP) ELSE SAFE.TIMESTAMP({col}, 'UTC') END)"
+            )
+            cond = f"{parsed} >= @slice_start AND {parsed} < @slice_end"
+            ptype, values = "TIMESTAMP", (start.replace(tzinfo=UTC), end.replace(tzinfo=UTC))
+        else:
+            raise BatchLLMError(
+                description=f"Partition column {source.table!r}.{where.column} has type {kind}: "
+                "a time-window partition needs a TIMESTAMP, DATETIME, DATE or STRING (ISO-8601) "
+                "column."
+            )
+        return cond, [
+            bigquery.ScalarQueryParameter("slice_start", ptype, values[0]),
+            bigquery.ScalarQueryParameter("slice_end", ptype, values[1]),
+        ]
 
     def slice_stats(self, source: SourceRef, where: SliceFilter) -> tuple[int, list[Any], int]:
         cond, params = self._where(source, where)
@@ -240,6 +271,13 @@ class BigQuerySession(WarehouseSession):
                 yield rows[i : i + chunk_rows]
 
     def ensure_output(self, output: OutputTable, source: SourceRef) -> None:
+        """Create the table clustered by (partition_key, id); bring an older one up to date.
+
+        Keys live only in the MERGE, so a table of the older layout (clustered by id) keeps its
+        rows; its clustering is switched to (partition_key, id), which BigQuery applies to data
+        written from then on. Columns the output schema gained are added (nullable); a column
+        whose type changed is refused, naming it and both types.
+        """
         table = output.name
         id_type = self._schema(source.table)[source.id_column]
         ref = self._ref(table)
@@ -248,23 +286,42 @@ class BigQuerySession(WarehouseSession):
             qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
             self._query(f"CREATE SCHEMA IF NOT EXISTS {qds}").result()
         cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
-        # Clustered by id: MERGE and the done-row lookups then read only the blocks they need.
-        cluster = " CLUSTER BY `id`" if id_type in _CLUSTERABLE else ""
+        # Clustered by the key: each MERGE and done-row lookup reads only its partition's blocks.
+        key = list(OUTPUT_KEY) if id_type in _CLUSTERABLE else ["partition_key"]
+        cluster = " CLUSTER BY " + ", ".join(_q(c) for c in key)
         self._query(
             f"CREATE TABLE IF NOT EXISTS {_qt(table)} (`id` {id_type}, {cols}){cluster}"
         ).result()
         self._schemas.pop(table, None)
         existing = self._schema(table, what="Output table")
         wanted = {"id": id_type, **{c: _TYPES[t] for c, t in output.columns}}
-        wrong = {c: existing.get(c) for c, t in wanted.items() if existing.get(c) != t}
-        if wrong:
-            diffs = ", ".join(
-                f"{c} is {t or 'missing'}, expected {wanted[c]}" for c, t in wrong.items()
-            )
+        wrong = {c: existing[c] for c, t in wanted.items() if c in existing and existing[c] != t}
+        if "id" not in existing or wrong:
+            diffs = ", ".join(f"{c} is {t}, expected {wanted[c]}" for c, t in wrong.items())
             raise BatchLLMError(
-                description=f"Output table {table!r} exists with a different schema: {diffs}."
+                description=f"Output table {table!r} exists with a different schema: "
+                f"{diffs or 'no id column'}. Rename or drop it (a new one is created), or alter "
+                "those columns."
             )
+        missing = [(c, t) for c, t in wanted.items() if c not in existing]
+        if missing:  # DDL, not the tables API: bqemulator applies only DDL to its storage
+            adds = ", ".join(f"ADD COLUMN IF NOT EXISTS {_q(c)} {t}" for c, t in missing)
+            sql = f"ALTER TABLE {_qt(table)} {adds}"
+            run_dml(lambda: self._query(sql).result(), what=f"Adding columns to {table!r}")
+            self._schemas.pop(table, None)
+        run_dml(lambda: self._cluster(ref, key), what=f"Clustering {table!r} by {key}")
         self._id_types[table] = id_type
+
+    def _cluster(self, ref: bigquery.TableReference, key: list[str]) -> None:
+        """Cluster by `key` (from now on: BigQuery reclusters data written after the change)."""
+        meta = self.client.get_table(ref)
+        if list(meta.clustering_fields or []) == key:
+            return
+        meta.clustering_fields = key
+        try:
+            self.client.update_table(meta, ["clustering_fields"])
+        except PreconditionFailed:  # another run changed the table meanwhile: look again
+            self._cluster(ref, key)
 
     def done_hashes(
         self, output: OutputTable, partition_key: str, ids: Sequence[Any]
@@ -278,52 +335,57 @@ class BigQuerySession(WarehouseSession):
             param = bigquery.ArrayQueryParameter("ids", id_type, list(ids[i : i + LOOKUP_MAX_IDS]))
             done.update(
                 self._rows(
-                    f"SELECT `id`, `request_hash` FROM {_qt(table)} "
-                    "WHERE `status` = 'ok' AND `id` IN UNNEST(@ids)",
-                    [param],
+                    f"SELECT `id`, `request_hash` FROM {_qt(table)} WHERE `partition_key` = @pk "
+                    "AND `status` = 'ok' AND `id` IN UNNEST(@ids)",
+                    [param, bigquery.ScalarQueryParameter("pk", "STRING", partition_key)],
                 )
             )
         return done
 
     def _merge(self, output: OutputTable) -> str:
-        table = output.name
-        if table not in self._merge_sql:
-            names = output.names
-            fields = ", ".join(f"r.{_q(c)} AS {_q(c)}" for c in names)
-            updates = ", ".join(f"{_q(c)} = S.{_q(c)}" for c in names[1:])
-            self._merge_sql[table] = (
-                f"MERGE {_qt(table)} AS T "
-                f"USING (SELECT {fields} FROM UNNEST(@rows) AS r) AS S "
-                "ON T.`id` = S.`id` "
-                f"WHEN MATCHED THEN UPDATE SET {updates} "
-                f"WHEN NOT MATCHED THEN INSERT ({', '.join(_q(c) for c in names)}) "
-                f"VALUES ({', '.join(f'S.{_q(c)}' for c in names)})"
-            )
-        return self._merge_sql[table]
+        if output.name not in self._merge_sql:
+            self._merge_sql[output.name] = merge_sql(output, _qt(output.name))
+        return self._merge_sql[output.name]
 
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
-        """One MERGE per chunk of <= MERGE_MAX_ROWS rows / MERGE_MAX_BYTES: each is atomic."""
+        """One MERGE per partition and chunk of <= MERGE_MAX_ROWS rows / MERGE_MAX_BYTES."""
         if not rows:
             return
         id_type = self._id_type(output.name)
-        latest = {row["id"]: row for row in rows}  # MERGE allows one source row per target row
-        chunk: list[bigquery.StructQueryParameter] = []
-        size = 0
-        for row in latest.values():
-            param = _struct(row, id_type, output)
-            row_size = len(json.dumps(param.to_api_repr()["parameterValue"], default=str))
-            if chunk and (len(chunk) >= MERGE_MAX_ROWS or size + row_size > MERGE_MAX_BYTES):
-                self._write_chunk(output, chunk)
-                chunk, size = [], 0
-            chunk.append(param)
-            size += row_size
-        if chunk:
-            self._write_chunk(output, chunk)
+        # MERGE allows one source row per target row: the last one of a key wins.
+        partitions: dict[str, dict[Any, dict[str, Any]]] = {}
+        for row in rows:
+            partitions.setdefault(row.get("partition_key"), {})[row["id"]] = row
+        for pk, latest in partitions.items():
+            if not isinstance(pk, str):
+                raise BatchLLMError(
+                    description=f"Results for {output.name!r} need a partition_key; got {pk!r}."
+                )
+            chunk: list[bigquery.StructQueryParameter] = []
+            size = 0
+            for row in latest.values():
+                param = struct(row, id_type, output)
+                row_size = len(json.dumps(param.to_api_repr()["parameterValue"], default=str))
+                if chunk and (len(chunk) >= MERGE_MAX_ROWS or size + row_size > MERGE_MAX_BYTES):
+                    self._write_chunk(output, pk, chunk)
+                    chunk, size = [], 0
+                chunk.append(param)
+                size += row_size
+            if chunk:
+                self._write_chunk(output, pk, chunk)
 
-    def _write_chunk(self, output: OutputTable, chunk: list[bigquery.StructQueryParameter]) -> None:
-        self._query(
-            self._merge(output), [bigquery.ArrayQueryParameter("rows", "STRUCT", chunk)]
-        ).result()
+    def _write_chunk(
+        self, output: OutputTable, partition_key: str, chunk: list[bigquery.StructQueryParameter]
+    ) -> None:
+        params = [
+            bigquery.ArrayQueryParameter("rows", "STRUCT", chunk),
+            bigquery.ScalarQueryParameter("pk", "STRING", partition_key),
+        ]
+        sql = self._merge(output)
+        run_dml(
+            lambda: self._query(sql, params).result(job_retry=None),
+            what=f"MERGE of {len(chunk)} rows into {output.name!r} (partition {partition_key!r})",
+        )
 
     def count_output(self, table: str, partition_key: str) -> int:
         [(count,)] = self._rows(
@@ -350,15 +412,3 @@ class BigQuerySession(WarehouseSession):
         except NotFound:
             raise missing from None
         return sorted(names)[: max(0, limit)]
-
-
-def _struct(
-    row: dict[str, Any], id_type: str, output: OutputTable
-) -> bigquery.StructQueryParameter:
-    fields = [bigquery.ScalarQueryParameter("id", id_type, row["id"])]
-    for column, kind in output.columns:
-        value = row.get(column)
-        if kind == "timestamp" and isinstance(value, datetime) and value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        fields.append(bigquery.ScalarQueryParameter(column, _TYPES[kind], value))
-    return bigquery.StructQueryParameter(None, *fields)
