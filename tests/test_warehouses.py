@@ -206,7 +206,7 @@ def test_nan_and_infinite_ids_are_refused_before_anything_is_sent(tmp_path, fres
     )
     assert not result.success
     message = result.get_step_failure_events()[0].step_failure_data.error.message
-    assert "4 row(s)" in message and "NaN or infinite 'id'" in message
+    assert "4 row(s)" in message and "NULL 'id' (or a NaN or infinite one)" in message
     assert fresh_sim.stats().get("received", 0) == 0
 
 

@@ -124,8 +124,8 @@ class PartitionRun:
         if null_ids:
             raise E.BatchLLMError(
                 description=f"{null_ids} row(s) of {src.table!r} in partition "
-                f"{self.partition_key!r} have a NULL, NaN or infinite {src.id_column!r} "
-                "(an id must key exactly one row); nothing was sent."
+                f"{self.partition_key!r} have a NULL {src.id_column!r} (or a NaN or infinite "
+                "one): an id must key exactly one row, so nothing was sent."
             )
         if dups:
             raise E.BatchLLMError(

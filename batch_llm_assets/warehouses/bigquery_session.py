@@ -111,7 +111,7 @@ class BigQuerySession(WarehouseSession):
         self.client = client
         self._schemas: dict[str, dict[str, str]] = {}
         self._id_types: dict[str, str] = {}
-        self._merge_sql: dict[str, str] = {}
+        self._merge_sql: dict[OutputTable, str] = {}
 
     # -- helpers -----------------------------------------------------------------------------
     def _query(self, sql: str, params: Sequence[Any] = ()) -> bigquery.QueryJob:
@@ -343,9 +343,9 @@ class BigQuerySession(WarehouseSession):
         return done
 
     def _merge(self, output: OutputTable) -> str:
-        if output.name not in self._merge_sql:
-            self._merge_sql[output.name] = merge_sql(output, _qt(output.name))
-        return self._merge_sql[output.name]
+        if output not in self._merge_sql:
+            self._merge_sql[output] = merge_sql(output, _qt(output.name))
+        return self._merge_sql[output]
 
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
         """One MERGE per partition and chunk of <= MERGE_MAX_ROWS rows / MERGE_MAX_BYTES."""
