@@ -559,6 +559,8 @@ def test_four_concurrent_partition_runs_on_one_output_table(bq_endpoint, bq, dat
         f"FROM `{dataset}`.`shared_out` GROUP BY 1 ORDER BY 1",
     )
     assert rows == [(k, 60, 60, 30, 60) for k in keys]
+    # Each MERGE reads and writes only its own partition of the target.
+    assert "ON T.`partition_key` = @pk AND T.`id` = S.`id`" in bqw_dml.merge_sql(out, "t")
 
 
 def test_concurrent_update_errors_are_retried(bq_endpoint, bq, dataset, monkeypatch):
@@ -599,6 +601,15 @@ def test_concurrent_update_errors_are_retried(bq_endpoint, bq, dataset, monkeypa
     assert len(slept) == 2
     assert not bqw_dml.is_retryable(ValueError("x"))
     assert bqw_dml.is_retryable(gexc.ServiceUnavailable("backend"))
+    # Refused past the deadline: a clear error naming the statement, the last answer attached.
+    busy = gexc.Forbidden("Too many DML statements outstanding against table t, limit is 20")
+
+    def always_busy():
+        raise busy
+
+    with pytest.raises(BatchLLMError, match=r"MERGE of 3 rows.*Too many DML") as info:
+        bqw_dml.run_dml(always_busy, what="MERGE of 3 rows", deadline_s=0)
+    assert info.value.__cause__ is busy
 
 
 # -- UTC-exact slices ----------------------------------------------------------------------------
