@@ -144,6 +144,10 @@ def test_an_old_table_that_cannot_be_rekeyed_is_left_as_it_was(con):
     assert con.execute("SELECT count(*) FROM out").fetchone() == (2,)
     tables = con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()
     assert tables == [("out",), ("src",)]
+    con.execute("CREATE TABLE older (id BIGINT PRIMARY KEY, status VARCHAR)")
+    with pytest.raises(BatchLLMError, match="no partition_key column"):
+        DuckDBSession(con).ensure_output(output_table("older"), SRC)
+    assert primary_key(con, "older") == ["id"]
 
 
 def test_a_table_with_another_key_is_refused(con):

@@ -73,10 +73,11 @@ def utc_window(where: SliceFilter) -> tuple[datetime, datetime]:
     """
     if where.start is None or where.end is None:
         raise ValueError("utc_window needs a time-window slice")
-    return tuple(  # type: ignore[return-value]
-        (v.astimezone(UTC) if v.tzinfo else v).replace(tzinfo=None)
-        for v in (where.start, where.end)
-    )
+    return _naive_utc(where.start), _naive_utc(where.end)
+
+
+def _naive_utc(value: datetime) -> datetime:
+    return (value.astimezone(UTC) if value.tzinfo else value).replace(tzinfo=None)
 
 
 def utc_days(where: SliceFilter, table: str) -> tuple[date, date]:

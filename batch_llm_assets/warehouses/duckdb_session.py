@@ -218,6 +218,12 @@ class DuckDBSession(WarehouseSession):
 
     def _rekey(self, table: str, existing: dict[str, str]) -> None:
         """Rebuild a table keyed by id alone with the (partition_key, id) key, atomically."""
+        if "partition_key" not in existing:
+            raise BatchLLMError(
+                description=f"Output table {table!r} is keyed by id alone and has no "
+                "partition_key column, so its rows cannot be told apart by partition. Rename "
+                "or drop it (a new one is created)."
+            )
         parts = check_table(table)
         old = parts[-1] + "__bla_rekey"
         qold = ".".join([*('"' + p + '"' for p in parts[:-1]), _q(old)])
