@@ -686,3 +686,37 @@ def test_time_window_slices_are_exact_in_utc(process_tz, bq_endpoint, bq, datase
         )
         with pytest.raises(BatchLLMError, match=r"is a DATE .* not whole UTC days"):
             s.slice_stats(SourceRef(f"{dataset}.slices", "id", ("s",), "d"), ny_day)
+
+
+def test_one_table_per_partition_keeps_every_partition(fresh_sim, bq_endpoint, bq, dataset):
+    """The new-input-tables pattern on BigQuery: ids 1..5 in every table, the same texts in both;
+    each partition keeps its own rows and the second table is answered, not 'skipped'."""
+    for name in ("t1", "t2"):
+        query(
+            bq,
+            f"CREATE TABLE `{dataset}`.`{name}` AS SELECT id, CONCAT('headline ', "
+            "CAST(id AS STRING)) AS headline FROM UNNEST(GENERATE_ARRAY(1, 5)) AS id",
+        )
+    tables = dg.DynamicPartitionsDefinition(name="input_tables")
+    a = asset(
+        dataset,
+        source=SourceTable(table=f"{dataset}.{{partition_key}}", columns=["headline"]),
+        partitions_def=tables,
+    )
+    resources = {
+        "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
+        "warehouse": warehouse(bq_endpoint),
+    }
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("input_tables", ["t1", "t2"])
+        for key in ("t1", "t2"):
+            result = dg.materialize([a], instance=instance, partition_key=key, resources=resources)
+            md = metadata(result)
+            assert md["rows_ok"] == 5 and md["rows_skipped"] == 0, key
+    rows = query(
+        bq,
+        f"SELECT partition_key, COUNT(*), COUNT(DISTINCT id) FROM `{dataset}`.`news_sentiment` "
+        "GROUP BY 1 ORDER BY 1",
+    )
+    assert rows == [("t1", 5, 5), ("t2", 5, 5)]
+    assert fresh_sim.stats()["answered"] == 10
