@@ -26,6 +26,7 @@ from batch_llm_assets.warehouses import bigquery_dml as bqw_dml
 from batch_llm_assets.warehouses import bigquery_session as bqw
 from batch_llm_assets.warehouses.base import OutputTable, SliceFilter, SourceRef
 from batch_llm_assets.warehouses.bigquery_session import table_parts
+from batch_llm_assets.warehouses.duckdb_session import DuckDBSession
 
 from .conftest import SIM_KEY
 
@@ -720,3 +721,14 @@ def test_one_table_per_partition_keeps_every_partition(fresh_sim, bq_endpoint, b
     )
     assert rows == [("t1", 5, 5), ("t2", 5, 5)]
     assert fresh_sim.stats()["answered"] == 10
+
+
+def test_write_interval_is_a_setting_of_the_warehouse(bq_endpoint):
+    """The pipeline's writer waits this long between MERGEs; BigQuery's is longer than DuckDB's."""
+    with warehouse(bq_endpoint).session() as s:
+        assert s.write_interval_s > DuckDBSession.write_interval_s
+    tuned = BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint, write_interval_s=12.5)
+    with tuned.session() as s:
+        assert s.write_interval_s == 12.5
+    with pytest.raises(Exception, match="greater than 0"):
+        BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint, write_interval_s=0)

@@ -38,6 +38,17 @@ class BigQueryWarehouse(BigQueryResource, Warehouse):
         ),
     )
 
+    write_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "Minimum seconds between two writes (MERGE statements) of one partition run. Each "
+            "MERGE is a BigQuery job of a few seconds, and BigQuery runs two mutating DML "
+            "statements per table at a time (20 more queue): with many partitions running at "
+            "once on one output table, a longer interval keeps them within that limit."
+        ),
+    )
+
     @contextlib.contextmanager
     def get_client(self) -> Iterator[bigquery.Client]:
         if self.api_endpoint is None:
@@ -74,6 +85,6 @@ class BigQueryWarehouse(BigQueryResource, Warehouse):
     def session(self) -> Iterator[BigQuerySession]:
         with self.get_client() as client:
             try:
-                yield BigQuerySession(client)
+                yield BigQuerySession(client, write_interval_s=self.write_interval_s)
             finally:
                 client.close()

@@ -107,8 +107,10 @@ def _qt(table: str) -> str:
 class BigQuerySession(WarehouseSession):
     write_interval_s = 5.0  # each MERGE is a job of 1-5 s: about one per interval per run
 
-    def __init__(self, client: bigquery.Client) -> None:
+    def __init__(self, client: bigquery.Client, *, write_interval_s: float | None = None) -> None:
         self.client = client
+        if write_interval_s is not None:
+            self.write_interval_s = write_interval_s
         self._schemas: dict[str, dict[str, str]] = {}
         self._id_types: dict[str, str] = {}
         self._merge_sql: dict[OutputTable, str] = {}
