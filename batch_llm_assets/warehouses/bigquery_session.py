@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC
 from typing import Any
 
-from google.api_core.exceptions import NotFound, PreconditionFailed
+from google.api_core.exceptions import Conflict, NotFound, PreconditionFailed
 from google.cloud import bigquery
 
 from ..engine.errors import BatchLLMError
@@ -286,14 +286,12 @@ class BigQuerySession(WarehouseSession):
         if not self._dataset_exists(ref):
             project, dataset, _ = table_parts(table)  # no project part: the client's project
             qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
-            self._query(f"CREATE SCHEMA IF NOT EXISTS {qds}").result()
+            self._ddl(f"CREATE SCHEMA IF NOT EXISTS {qds}")
         cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
         # Clustered by the key: each MERGE and done-row lookup reads only its partition's blocks.
         key = list(OUTPUT_KEY) if id_type in _CLUSTERABLE else ["partition_key"]
         cluster = " CLUSTER BY " + ", ".join(_q(c) for c in key)
-        self._query(
-            f"CREATE TABLE IF NOT EXISTS {_qt(table)} (`id` {id_type}, {cols}){cluster}"
-        ).result()
+        self._ddl(f"CREATE TABLE IF NOT EXISTS {_qt(table)} (`id` {id_type}, {cols}){cluster}")
         self._schemas.pop(table, None)
         existing = self._schema(table, what="Output table")
         wanted = {"id": id_type, **{c: _TYPES[t] for c, t in output.columns}}
@@ -313,6 +311,13 @@ class BigQuerySession(WarehouseSession):
             self._schemas.pop(table, None)
         run_dml(lambda: self._cluster(ref, key), what=f"Clustering {table!r} by {key}")
         self._id_types[table] = id_type
+
+    def _ddl(self, sql: str) -> None:
+        """CREATE ... IF NOT EXISTS, which a concurrent run's identical statement may race."""
+        try:
+            run_dml(lambda: self._query(sql).result(), what=sql.split(" (")[0])
+        except Conflict:  # "Already Exists": the other run created it first
+            pass
 
     def _cluster(self, ref: bigquery.TableReference, key: list[str]) -> None:
         """Cluster by `key` (from now on: BigQuery reclusters data written after the change)."""
