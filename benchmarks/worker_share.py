@@ -65,8 +65,8 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
         model=MODEL,
         api_key=KEY,
         queues=queues,
-        concurrency=32,
-        batch_size=32,
+        concurrency=args.concurrency,
+        batch_size=args.concurrency,
         poll_interval_s=0.05,
         rpm=args.rpm,
         job_key="worker",
@@ -81,7 +81,7 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
         redis_url=redis_url,
         job_key="batch",
         job_weight=args.batch_weight,
-        max_concurrency=32,
+        max_concurrency=args.concurrency,
         params={"max_tokens": 16},
     )
     batch_ok = 0
@@ -142,12 +142,13 @@ async def kill9(sim: SimulatorProcess, redis_url: str, args: argparse.Namespace)
     queues = QueueNames(
         request_sortedset="kill:requests", retry_sortedset="kill:retry", result_list="kill:results"
     )
-    sim.configure(rpm=None, latency_ms=60.0)
+    sim.configure(rpm=None, latency_ms=args.latency_ms)
     sim.reset()
     client = aioredis.Redis.from_url(redis_url)
+    # Workers first, then the messages: all three are serving when the kill comes.
+    procs = [start_worker(sim.url, redis_url, queues) for _ in range(3)]
     for i, p in enumerate(make_prompts(args.messages, seed=11)):
         await submit(client, request_message(i, p[:400]), sortedset=queues.request_sortedset)
-    procs = [start_worker(sim.url, redis_url, queues) for _ in range(3)]
     started = time.monotonic()
     try:
         while await client.llen(queues.result_list) < args.messages // 3:
@@ -179,7 +180,7 @@ async def kill9(sim: SimulatorProcess, redis_url: str, args: argparse.Namespace)
         "messages": args.messages,
         "workers": 3,
         "killed": 1,
-        "held_at_kill": held,
+        "processing_at_kill": held,
         "results": len(rows),
         "distinct_ids": len(set(ids)),
         "duplicate_results": len(ids) - len(set(ids)),
@@ -196,10 +197,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rpm", type=int, default=1200)
     ap.add_argument("--seconds", type=float, default=8.0, help="measured window")
-    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument(
+        "--warmup", type=float, default=6.0, help="seconds before the window: shares settle"
+    )
     ap.add_argument("--worker-weight", type=float, default=1.0)
     ap.add_argument("--batch-weight", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=32, help="in flight per job")
     ap.add_argument("--messages", type=int, default=300)
+    ap.add_argument("--latency-ms", type=float, default=300.0, help="simulated answer time")
     args = ap.parse_args()
     with (
         EmbeddedValkey() as valkey,

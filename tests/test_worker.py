@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from batch_llm_assets.worker import (
+    CANCELLED,
     DEADLINE_EXCEEDED,
     INVALID_REQUEST,
     QueueNames,
@@ -29,6 +30,7 @@ from batch_llm_assets.worker import (
     submit,
 )
 from batch_llm_assets.worker.cli import add_arguments, duration, settings_from_args
+from batch_llm_assets.worker.queue import cancel_key
 
 from .conftest import SIM_KEY
 
@@ -270,6 +272,25 @@ def test_results_are_idempotent_by_id(fresh_sim, valkey_url, prefix):
     assert sorted(ids) == ["after", "once"]
     assert second is False
     assert fresh_sim.stats()["received"] == 2
+
+
+def test_cancelled_message_is_not_sent(fresh_sim, valkey_url, prefix):
+    queues = names(prefix)
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        await client.set(cancel_key(f"{prefix}-gone"), "token", ex=60)  # llm-d's marker
+        await submit(client, message(f"{prefix}-gone"), sortedset=queues.request_sortedset)
+        await submit(client, message(f"{prefix}-kept"), sortedset=queues.request_sortedset)
+        async with running(settings(fresh_sim, valkey_url, queues)):
+            results = await wait_results(client, queues.result_list, 2)
+        await client.aclose()
+        return by_id(results)
+
+    got = asyncio.run(main())
+    assert got[f"{prefix}-gone"]["error_code"] == CANCELLED
+    assert got[f"{prefix}-kept"]["status_code"] == 200
+    assert fresh_sim.stats()["received"] == 1
 
 
 def worker_command(sim, url: str, queues: QueueNames, *extra: str) -> list[str]:

@@ -95,6 +95,9 @@ class WorkerMetrics:
         self.reclaimed = counter(
             _OURS, "reclaimed_messages", "Messages whose visibility expired (a worker died)."
         ).labels(*labels)
+        self.cancelled = counter(
+            _OURS, "cancelled_messages", "Messages cancelled by their producer, not sent."
+        ).labels(*labels)
         self.duplicates = counter(
             _OURS, "duplicate_messages", "Deliveries of an id whose result was already written."
         ).labels(*labels)

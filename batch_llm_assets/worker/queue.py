@@ -115,6 +115,11 @@ return n
 """
 
 
+def cancel_key(msg_id: str) -> str:
+    """llm-d's per-request cancellation marker: when it exists, the request is not sent."""
+    return f"request-cancel:{msg_id}"
+
+
 @dataclass(frozen=True, slots=True)
 class QueueNames:
     """Redis keys, defaulting to llm-d's names (request-sortedset, retry-sortedset, result-list)."""
@@ -181,8 +186,13 @@ class RedisQueue:
         args = [member, result, self.result_ttl_s, stream, self.stream_maxlen]
         return bool(await self._ack(keys=keys, args=args))
 
-    async def is_done(self, key: str) -> bool:
-        return bool(await self.client.exists(self.names.done_key(key)))
+    async def state(self, msg_id: str) -> tuple[bool, bool]:
+        """(result already written, cancelled by the producer) for one id, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(self.names.done_key(msg_id))
+        pipe.exists(cancel_key(msg_id))
+        done, cancelled = await pipe.execute()
+        return bool(done), bool(cancelled)
 
     async def drop(self, member: str) -> None:
         """Forget a member whose result is already written (a duplicate delivery)."""

@@ -160,9 +160,14 @@ class Worker:
                 key = M.result_key(exc.id, member)
                 await self._answer(member, key, M.error_result(exc.id, M.INVALID_REQUEST, str(exc)))
                 return
-            if await self.queue.is_done(msg.id):
+            done, cancelled = await self.queue.state(msg.id)
+            if done:
                 m.duplicates.inc()
                 await self.queue.drop(member)
+                return
+            if cancelled:
+                m.cancelled.inc()
+                await self._answer(member, msg.id, M.error_result(msg.id, M.CANCELLED, "cancelled"))
                 return
             if time.time() >= msg.deadline:
                 m.exceeded_deadline.inc()
