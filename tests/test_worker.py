@@ -81,6 +81,12 @@ def message(msg_id: str, *, deadline_in: float = 60.0, text: str | None = None, 
     }
 
 
+async def submit_envelope(client, msg: dict, sortedset: str) -> None:
+    """A message in llm-d's persistence envelope, as its Go producer writes it."""
+    member = {"internal": {"retry_count": 0}, "request_kind": "plain", "data": msg}
+    await client.zadd(sortedset, {json.dumps(member): msg["deadline"]})
+
+
 @pytest.fixture
 def prefix():
     return f"wq{uuid.uuid4().hex[:10]}"
@@ -125,8 +131,9 @@ def test_round_trip_from_sorted_set_and_list(fresh_sim, valkey_url, prefix):
 
     async def main():
         client = aioredis.Redis.from_url(valkey_url)
-        for i in range(3):
+        for i in range(2):
             await submit(client, message(f"z{i}"), sortedset=queues.request_sortedset)
+        await submit_envelope(client, message("z2"), queues.request_sortedset)
         for i in range(2):
             await submit(client, message(f"l{i}"), list_name=queues.request_list)
         async with running(settings(fresh_sim, valkey_url, queues, rpm=6000)):
@@ -205,24 +212,25 @@ def test_5xx_is_retried_with_backoff_until_it_succeeds(fresh_sim, valkey_url, pr
 
     async def main():
         client = aioredis.Redis.from_url(valkey_url)
-        await submit(client, message("flaky"), sortedset=queues.request_sortedset)
-        async with running(settings(fresh_sim, valkey_url, queues)):
+        await submit_envelope(client, message("flaky"), queues.request_sortedset)
+        async with running(settings(fresh_sim, valkey_url, queues)) as parts:
             while fresh_sim.stats().get("fault_500", 0) < 3:
                 await asyncio.sleep(0.05)
-            assert (
-                await client.zcard(queues.retry_sortedset)
-                + await client.zcard(queues.request_sortedset)
-                + await client.zcard(queues.processing_set)
-                == 1
-            )
+            pipe = client.pipeline(transaction=True)  # one atomic look at all three places
+            for key in (queues.retry_sortedset, queues.request_sortedset, queues.processing_set):
+                pipe.zcard(key)
+            assert sum(await pipe.execute()) == 1
             fresh_sim.configure(fail_500=0.0)
             results = await wait_results(client, queues.result_list, 1)
+            retried = sample(parts, "llm_d_async_async_request_retries_total", queues)
+            first = sample(parts, "llm_d_async_async_request_total", queues)
         await client.aclose()
-        return results
+        return results, retried, first
 
     started = time.monotonic()
-    (result,) = asyncio.run(main())
+    (result,), retried, first = asyncio.run(main())
     assert result["status_code"] == 200
+    assert first == 1 and retried >= 3  # the envelope's retry_count went up on each retry
     # Three failures with 0.2, 0.4, 0.8 s backoff (minus up to 25 % jitter): spaced, not spun.
     assert time.monotonic() - started >= 0.2 * 0.75 + 0.4 * 0.75
     assert fresh_sim.stats()["fault_500"] <= 4
