@@ -510,3 +510,21 @@ def test_flags_and_env_vars_build_settings(monkeypatch):
     add_arguments(p)
     with pytest.raises(ValueError, match="igw-base-url"):
         settings_from_args(p.parse_args(["--model", MODEL]))
+
+
+def test_the_worker_imports_the_engine_only():
+    """ARCHITECTURE.md: worker/ may import the engine, never Dagster, resources or assets."""
+    import ast
+    from pathlib import Path
+
+    import batch_llm_assets.worker as pkg
+
+    allowed_ours = {"engine", "engine.transport", "engine._constants", "engine.errors"}
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert node.module in allowed_ours, f"{path.name} imports ..{node.module}"
+            names = [a.name for a in getattr(node, "names", [])]
+            if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
+                mod = getattr(node, "module", None) or ""
+                assert not any(n.startswith("dagster") for n in [mod, *names]), path.name
