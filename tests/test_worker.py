@@ -184,6 +184,7 @@ def test_malformed_messages_get_invalid_request_and_the_worker_goes_on(
         json.dumps({"id": "str-payload", "deadline": time.time() + 60, "payload": "hi"}),
         json.dumps(message("other-model") | {"payload": {"model": "gpt-9", "messages": []}}),
         json.dumps(message("completions", endpoint="/v1/completions")),
+        json.dumps(message("prompt") | {"payload": {"model": MODEL, "prompt": "hi"}}),
     ]
 
     async def main():
@@ -202,6 +203,7 @@ def test_malformed_messages_get_invalid_request_and_the_worker_goes_on(
     assert {r["id"] for r in invalid} >= {"no-deadline", "str-payload", "other-model"}
     assert any("deadline" in r["error_message"] for r in invalid)
     assert any("gpt-9" in r["error_message"] for r in invalid)
+    assert "completions" in by_id(invalid)["prompt"]["error_message"]
     assert [r["id"] for r in results if r.get("status_code") == 200] == ["good"]
     assert fresh_sim.stats()["received"] == 1
 

@@ -121,7 +121,12 @@ def parse_message(raw: str | bytes) -> RequestMessage:
         raise InvalidMessage("payload must be a JSON object (a chat completion body)", msg_id)
     messages = payload.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise InvalidMessage("payload.messages must be a list of chat messages", msg_id)
+        hint = " (payload.prompt is for /v1/completions)" if "prompt" in payload else ""
+        raise InvalidMessage(
+            f"payload.messages must be a list of chat messages: this worker sends chat "
+            f"completions{hint}",
+            msg_id,
+        )
     for key in _UNSUPPORTED_PARAMS:
         if payload.get(key) not in (None, False, 1):
             raise InvalidMessage(f"payload.{key} is not supported by this worker", msg_id)
