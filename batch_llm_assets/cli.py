@@ -1,4 +1,5 @@
-"""`batch-llm-assets` console command: the provider simulator and a shared embedded Valkey."""
+"""`batch-llm-assets` console command: the provider simulator, a shared embedded Valkey, and
+the llm-d-compatible queue worker."""
 
 from __future__ import annotations
 
@@ -59,12 +60,22 @@ def _run_valkey(args: argparse.Namespace) -> None:
         server.stop()
 
 
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
+    from .worker.cli import add_arguments
+
+    p = sub.add_parser(
+        "worker", help="serve llm-d-format request queues on Redis through the shared limiter"
+    )
+    add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batch-llm-assets")
     sub = parser.add_subparsers(dest="command", required=True)
     _sim_parser(sub)
     v = sub.add_parser("valkey", help="run an embedded Valkey that several processes can share")
     v.add_argument("--port", type=int, default=0)
+    _worker_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "sim":
         try:
@@ -77,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "valkey":
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         _run_valkey(args)
+    elif args.command == "worker":
+        from .worker.cli import run as run_worker
+
+        run_worker(args)
     return 0
 
 
