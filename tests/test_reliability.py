@@ -352,7 +352,7 @@ def test_bad_data_is_handled_row_by_row(fresh_sim, tmp_path):
     # An empty partition succeeds with 0 rows.
     empty = dg.materialize([a], partition_key="2026-11-02", resources=resources)
     md = empty.asset_materializations_for_node("docs_out")[0].metadata
-    assert md["rows_in"].value == 0 and md["dagster/row_count"].value == 0
+    assert md["partition/rows_input"].value == 0 and md["dagster/row_count"].value == 0
     assert result.success
 
 
