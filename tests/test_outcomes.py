@@ -27,7 +27,8 @@ from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.engine.engine import Engine, EngineSettings
 from batch_llm_assets.engine.errors import BatchLLMError, redact
 from batch_llm_assets.engine.identity import request_identity
-from batch_llm_assets.engine.transport import AiohttpTransport
+from batch_llm_assets.engine.outcome import classify_answer, tools_requested
+from batch_llm_assets.engine.transport import AiohttpTransport, parse_completion
 
 from .conftest import SIM_KEY, duckdb_query
 
@@ -299,3 +300,22 @@ def test_parameters_that_break_one_answer_per_row_are_refused_at_load(params, na
     with pytest.raises(BatchLLMError, match=rf"params\.{name} is"):
         asset(params=params)
     asset(params={"n": 1, "stream": False})  # the defaults are fine
+
+
+def test_parse_and_classify_read_the_choice_and_message_shapes():
+    def verdict(message, finish="stop", body=None):
+        payload = {"choices": [{"message": message, "finish_reason": finish}], "usage": {}}
+        resp = parse_completion(payload, {})
+        return classify_answer(resp, tools_allowed=tools_requested(body or {}), max_tokens=9)
+
+    assert verdict({"content": "up"}).ok
+    assert verdict({"content": "   "}).error_class == "empty_answer"
+    assert verdict({"content": "u"}, "length").error_class == "truncated"
+    legacy = {"content": None, "function_call": {"name": "f", "arguments": "{}"}}
+    assert verdict(legacy, "function_call").error_class == "unexpected_tool_call"
+    assert verdict(legacy, "function_call", {"functions": [{"name": "f"}]}).ok
+    refused = {"content": None, "refusal": "no"}
+    assert verdict(refused, "content_filter").error_class == "refusal"  # its words are kept
+    empty = parse_completion({"choices": [], "usage": {"prompt_tokens": 3}}, {})
+    assert empty.empty_choices and empty.prompt_tokens == 3  # billable: counted, retried once
+    assert classify_answer(empty, tools_allowed=False, max_tokens=9).retry

@@ -8,6 +8,7 @@ attempt and every rerun, as a model at temperature 0 would, whatever the concurr
 from __future__ import annotations
 
 import json
+import random
 import urllib.parse
 from typing import Any
 
@@ -79,3 +80,15 @@ def has_marker(messages: list[dict[str, Any]], marker: str | None) -> bool:
     if not marker:
         return False
     return any(marker in str(m.get("content") or "") for m in messages)
+
+
+def rejection(
+    config: Any, messages: list[dict[str, Any]], sent_key: str, rng: random.Random
+) -> str | None:
+    """The message of a 400 for this request, or None: prompts with `fail_marker` always, and a
+    `fail_400_key_echo` fraction of requests quoting the key that was sent."""
+    if has_marker(messages, config.fail_marker):
+        return "The prompt was rejected (simulator fail_marker)."
+    if config.fail_400_key_echo and rng.random() < config.fail_400_key_echo:
+        return f"Invalid token {echo_key(sent_key, config.key_echo or 'suffix')}"
+    return None

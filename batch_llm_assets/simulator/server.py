@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens, count_text_tokens, encoding_for
-from .answers import draw_shape, echo_key, has_marker, shaped_choice
+from .answers import draw_shape, echo_key, rejection, shaped_choice
 
 _WORDS = [
     "the",
@@ -373,27 +373,13 @@ class Simulator:
         )
 
     def _refused(self, request: web.Request, messages: list[Any]) -> web.Response | None:
-        """A 400 for a prompt with the fail marker, or one echoing the key (the fraction set)."""
-        cfg = self.config
-        if has_marker(messages, cfg.fail_marker):
-            self.counts["marker_rejected"] += 1
-            return _error(
-                400,
-                "The prompt was rejected (simulator fail_marker).",
-                "invalid_request_error",
-                None,
-            )
-        if cfg.fail_400_key_echo and self.rng.random() < cfg.fail_400_key_echo:
-            got = request.headers.get("api-key") or request.headers.get("Authorization", "")
-            got = got.removeprefix("Bearer ").strip()
-            self.counts["key_echoed"] += 1
-            return _error(
-                400,
-                f"Invalid token {echo_key(got, cfg.key_echo or 'suffix')}",
-                "invalid_request_error",
-                None,
-            )
-        return None
+        """A 400 for a prompt with the fail marker, or one quoting the key (answers.rejection)."""
+        got = request.headers.get("api-key") or request.headers.get("Authorization", "")
+        message = rejection(self.config, messages, got.removeprefix("Bearer ").strip(), self.rng)
+        if message is None:
+            return None
+        self.counts["rejected_400"] += 1
+        return _error(400, message, "invalid_request_error", None)
 
     def _draw_fault(self) -> str | None:
         cfg = self.config
