@@ -236,7 +236,7 @@ def test_rerun_skips_done_rows_without_duplicates(fresh_sim, bq_endpoint, bq, da
     sql = f"SELECT COUNT(*), COUNT(DISTINCT id) FROM `{dataset}`.`news_sentiment`"
     assert query(bq, sql) == [(PER_DAY, PER_DAY)]
     # A changed prompt is new work: every row is sent again and replaced, still one row per id.
-    changed = asset(dataset, prompt=Prompt(template="Sentiment of: {{ headline }}"))
+    changed = asset(dataset, prompt=Prompt(template="Sentiment of: {{ headline }}"), params={})
     md = metadata(materialize(changed, fresh_sim, bq_endpoint))
     assert md["run/rows_ok"] == PER_DAY and md["run/rows_skipped"] == 0
     assert query(bq, sql) == [(PER_DAY, PER_DAY)]
