@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 import dagster as dg
 import duckdb
@@ -273,6 +274,12 @@ def test_no_key_fragment_reaches_logs_metadata_or_the_table(
         )
         assert not result.success
         events = "\n".join(dg.serialize_value(e) for e in instance.all_logs(result.run_id))
+        # Everything the instance stored: run and event storage, captured compute logs.
+        stored = "\n".join(
+            p.read_bytes().decode("latin-1")
+            for p in Path(instance.root_directory).rglob("*")
+            if p.is_file()
+        )
     table = duckdb_query(
         db,
         "SELECT string_agg(coalesce(error, '') || coalesce(response, ''), '|') FROM news_sentiment",
@@ -282,10 +289,12 @@ def test_no_key_fragment_reaches_logs_metadata_or_the_table(
     captured = capfd.readouterr()
     texts = {
         "event log": events,
+        "instance storage": stored,
         "stdout/stderr": captured.out + captured.err,
         "python logs": caplog.text,
         "table": str(table),
     }
+    assert "partition/rows_failed" in stored  # the storage is readable text: the scan can see
     echoed = "Invalid token" in str(table) or "Incorrect API key" in str(table)
     assert echoed and "***" in str(table)  # the message was kept, the key taken out
     for where, text in texts.items():
