@@ -269,6 +269,8 @@ def load_attributes(tmp_path, monkeypatch):
     [
         ({"max_failed_fraction": -0.1}, "max_failed_fraction: must be within [0, 1], got -0.1"),
         ({"max_failed_fraction": "a lot"}, "max_failed_fraction: Input should be a valid number"),
+        ({"warn_failed_fraction": 2}, "warn_failed_fraction: must be within [0, 1], got 2"),
+        ({"params": {"n": 3}}, "LlmBatchComponent 'headline_sentiment': params.n is 3"),
         ({"chunk_rows": 0}, "chunk_rows: must be >= 1"),
         ({"params": "temperature=0"}, "params: Input should be a valid dictionary"),
         ({"params": {"temperature": "hot"}}, "params.temperature: must be a number"),

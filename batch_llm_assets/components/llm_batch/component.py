@@ -391,6 +391,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
         self._check_params()
         if not 0 <= self.max_failed_fraction <= 1:
             _fail("max_failed_fraction", f"must be within [0, 1], got {self.max_failed_fraction}")
+        if not 0 <= self.warn_failed_fraction <= 1:
+            _fail("warn_failed_fraction", f"must be within [0, 1], got {self.warn_failed_fraction}")
         if self.chunk_rows < 1:
             _fail("chunk_rows", f"must be >= 1, got {self.chunk_rows}")
         for key in ("llm_resource_key", "warehouse_resource_key"):
