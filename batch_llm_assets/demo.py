@@ -98,20 +98,20 @@ def run(partitions: int) -> int:
             after = sim.stats()
             os.environ["DAGSTER_HOME"] = env["DAGSTER_HOME"]
             md = _latest_metadata(key)
-            wall = float(md.get("wall_s", elapsed))
+            wall = float(md.get("run/wall_s", elapsed))
             tokens = after.get("admitted_tokens", 0) - before.get("admitted_tokens", 0)
             summary.append(
                 {
                     "partition": key,
-                    "rows_in": md.get("rows_in"),
-                    "rows_ok": md.get("rows_ok"),
-                    "rows_failed": md.get("rows_failed"),
-                    "rows_skipped": md.get("rows_skipped"),
-                    "prompt_tokens": md.get("prompt_tokens"),
-                    "completion_tokens": md.get("completion_tokens"),
-                    "cost_usd": md.get("cost_usd"),
+                    "rows_in": md.get("partition/rows_input"),
+                    "rows_ok": md.get("partition/rows_ok"),
+                    "rows_failed": md.get("partition/rows_failed"),
+                    "rows_skipped": md.get("run/rows_skipped"),
+                    "prompt_tokens": md.get("run/prompt_tokens"),
+                    "completion_tokens": md.get("run/completion_tokens"),
+                    "cost_usd": md.get("run/cost_usd"),
                     "wall_s": round(wall, 2),
-                    "http_429": md.get("http_429"),
+                    "http_429": md.get("run/http_429"),
                     "limit_share": round(tokens / (DEMO_TPM / 60 * wall), 3)
                     if wall > 0.5
                     else None,

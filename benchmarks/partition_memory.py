@@ -72,7 +72,7 @@ def main() -> None:
             )
             wall = time.monotonic() - started
         md = result.asset_materializations_for_node("bench")[0].metadata
-        ok = md["rows_ok"].value
+        ok = md["partition/rows_ok"].value
     if ok != args.rows:
         raise SystemExit(f"only {ok} of {args.rows} rows ok")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -82,7 +82,7 @@ def main() -> None:
                 "rows": args.rows,
                 "peak_rss_mb": round(peak_mb, 1),
                 "rows_per_s": round(args.rows / wall, 1),
-                "engine_rows_per_s": md["rows_per_s"].value,
+                "engine_rows_per_s": md["run/rows_per_s"].value,
                 "wall_s": round(wall, 2),
             }
         )

@@ -72,6 +72,15 @@ def fresh_sim(sim):
         jitter=0.2,
         bucket_s=1.0,
         api_key=SIM_KEY,
+        answer_null_content=0.0,
+        answer_refusal=0.0,
+        answer_content_filter=0.0,
+        answer_length=0.0,
+        answer_tool_calls=0.0,
+        answer_empty_choices=0.0,
+        key_echo=None,
+        fail_400_key_echo=0.0,
+        fail_marker=None,
     )
     sim.reset()
     return sim

@@ -78,20 +78,23 @@ def test_partition_rows_statuses_and_metadata(fresh_sim, db):
     result = materialize(a, fresh_sim, db)
     assert result.success
     md = metadata(result)
-    assert md["rows_in"] == md["rows_ok"] == md["dagster/row_count"] == 60
-    assert md["rows_failed"] == 0 and md["rows_skipped"] == 0
-    assert md["prompt_tokens"] > 0 and md["completion_tokens"] >= 60
+    assert md["partition/rows_input"] == md["partition/rows_ok"] == 60
+    assert md["run/rows_ok"] == md["dagster/row_count"] == 60
+    assert md["partition/rows_failed"] == 0 and md["run/rows_skipped"] == 0
+    assert md["run/prompt_tokens"] > 0 and md["run/completion_tokens"] >= 60
+    assert md["partition/prompt_tokens"] == md["run/prompt_tokens"]
     # gpt-4o-mini: $0.15 / $0.60 per 1M tokens
-    expected = (md["prompt_tokens"] * 0.15 + md["completion_tokens"] * 0.60) / 1e6
-    assert md["cost_usd"] == pytest.approx(expected, rel=1e-3)
-    assert 0 < md["latency_p50_ms"] <= md["latency_p95_ms"] <= md["latency_max_ms"]
+    expected = (md["run/prompt_tokens"] * 0.15 + md["run/completion_tokens"] * 0.60) / 1e6
+    assert md["run/cost_usd"] == pytest.approx(expected, rel=1e-3)
+    assert md["partition/cost_usd"] == pytest.approx(expected, rel=1e-3)
+    assert 0 < md["run/latency_p50_ms"] <= md["run/latency_p95_ms"] <= md["run/latency_max_ms"]
     for key in (
-        "wall_s",
-        "rows_per_s",
-        "tokens_per_min",
-        "rate_limit_wait_s",
-        "retries",
-        "http_429",
+        "run/wall_s",
+        "run/rows_per_s",
+        "run/tokens_per_min",
+        "run/limiter_wait_s",
+        "run/retries",
+        "run/http_429",
     ):
         assert isinstance(md[key], int | float)
     assert "60" in md["summary"]
@@ -114,13 +117,14 @@ def test_rerun_is_idempotent_and_skips_done_rows(fresh_sim, db):
     second = materialize(a, fresh_sim, db)
     assert second.success
     md = metadata(second)
-    assert md["rows_skipped"] == 60 and md["rows_ok"] == 0 and md["dagster/row_count"] == 60
+    assert md["run/rows_skipped"] == 60 and md["run/rows_ok"] == 0
+    assert md["partition/rows_ok"] == md["dagster/row_count"] == 60
     assert fresh_sim.stats()["answered"] == 60  # nothing was sent again
     assert query(db, "SELECT count(*), count(DISTINCT id) FROM news_sentiment") == [(60, 60)]
     # A changed prompt is different work: every row is sent again, still one row per id.
-    changed = asset(prompt=Prompt(template="Sentiment of: {{ headline }}"))
+    changed = asset(prompt=Prompt(template="Sentiment of: {{ headline }}"), params={})
     md = metadata(materialize(changed, fresh_sim, db))
-    assert md["rows_ok"] == 60 and md["rows_skipped"] == 0
+    assert md["run/rows_ok"] == 60 and md["run/rows_skipped"] == 0
     assert query(db, "SELECT count(*), count(DISTINCT id) FROM news_sentiment") == [(60, 60)]
 
 
@@ -129,13 +133,14 @@ def test_failed_rows_fail_the_run_after_writing_and_are_retried(fresh_sim, db):
     first = materialize(asset(), fresh_sim, db, max_attempts=1)
     assert not first.success
     failure = first.get_step_failure_events()[0].step_failure_data.error
-    assert "server_error (60)" in failure.message and "60 of 60 rows failed" in failure.message
+    assert "server_error (60)" in failure.message
+    assert "60 of the partition's 60 rows have failed" in failure.message
     assert query(db, "SELECT status, error_class, count(*) FROM news_sentiment GROUP BY ALL") == [
         ("failed", "server_error", 60)
     ]
     fresh_sim.configure(fail_503=0.0)
     md = metadata(materialize(asset(), fresh_sim, db))
-    assert md["rows_ok"] == 60 and md["rows_skipped"] == 0
+    assert md["run/rows_ok"] == 60 and md["run/rows_skipped"] == 0
     assert query(db, "SELECT status, count(*) FROM news_sentiment GROUP BY ALL") == [("ok", 60)]
 
 
@@ -147,7 +152,7 @@ def test_failures_under_the_threshold_still_succeed(fresh_sim, db):
     result = materialize(asset(max_failed_fraction=0.05), fresh_sim, db)
     assert result.success
     md = metadata(result)
-    assert md["rows_ok"] == 58 and md["rows_failed"] == 2
+    assert md["partition/rows_ok"] == 58 and md["partition/rows_failed"] == 2
     rows = dict(query(db, "SELECT id, error FROM news_sentiment WHERE status = 'failed'"))
     assert "NULL" in rows[1] and "not sent" in rows[1]
     assert fresh_sim.stats()["received"] == 58  # the bad rows never reached the provider
@@ -159,13 +164,14 @@ def test_prompt_over_the_context_window_fails_its_row_only(fresh_sim, db):
     con.execute("UPDATE news_headlines SET headline = repeat('word ', 5000) WHERE id = 3")
     con.close()
     md = metadata(materialize(asset(), fresh_sim, db, context_window=2000))
-    assert md["rows_failed"] == 1 and md["rows_ok"] == 59
+    assert md["partition/rows_failed"] == 1 and md["partition/rows_ok"] == 59
     assert query(db, "SELECT error_class FROM news_sentiment WHERE id = 3") == [("context_length",)]
 
 
 def test_unknown_price_is_reported_as_unknown(fresh_sim, db):
     md = metadata(materialize(asset(model="sim-1"), fresh_sim, db))
-    assert md["cost_usd"] == "unknown" and md["rows_ok"] == 60
+    assert "run/cost_usd" not in md and "partition/cost_usd" not in md
+    assert md["partition/rows_ok"] == 60
     assert query(db, "SELECT count(cost_usd) FROM news_sentiment") == [(0,)]
 
 
@@ -186,7 +192,7 @@ def test_static_partitions(fresh_sim, tmp_path):
         partitions_def=dg.StaticPartitionsDefinition(["eu", "us"]),
     )
     result = dg.materialize([a], resources=resources(fresh_sim, path), partition_key="eu")
-    assert metadata(result, "triage")["rows_ok"] == 10
+    assert metadata(result, "triage")["partition/rows_ok"] == 10
     assert query(path, "SELECT min(id), max(id), count(*) FROM triage_out") == [(1, 19, 10)]
 
 

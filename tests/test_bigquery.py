@@ -200,8 +200,9 @@ def test_round_trip_one_daily_partition(fresh_sim, bq_endpoint, bq, dataset):
     result = materialize(asset(dataset), fresh_sim, bq_endpoint)
     assert result.success, failure_message(result)
     md = metadata(result)
-    assert md["rows_in"] == md["rows_ok"] == md["dagster/row_count"] == PER_DAY
-    assert md["rows_failed"] == 0 and md["rows_skipped"] == 0
+    assert md["partition/rows_input"] == md["partition/rows_ok"] == PER_DAY
+    assert md["run/rows_ok"] == md["dagster/row_count"] == PER_DAY
+    assert md["partition/rows_failed"] == 0 and md["run/rows_skipped"] == 0
     rows = query(
         bq,
         f"SELECT id, status, response, partition_key, model, request_hash, completed_at "
@@ -234,15 +235,15 @@ def test_rerun_skips_done_rows_without_duplicates(fresh_sim, bq_endpoint, bq, da
     second = materialize(asset(dataset), fresh_sim, bq_endpoint)
     assert second.success
     md = metadata(second)
-    assert md["rows_skipped"] == PER_DAY and md["rows_ok"] == 0
-    assert md["dagster/row_count"] == PER_DAY
+    assert md["run/rows_skipped"] == PER_DAY and md["run/rows_ok"] == 0
+    assert md["partition/rows_ok"] == md["dagster/row_count"] == PER_DAY
     assert fresh_sim.stats()["answered"] == PER_DAY  # nothing was sent again
     sql = f"SELECT COUNT(*), COUNT(DISTINCT id) FROM `{dataset}`.`news_sentiment`"
     assert query(bq, sql) == [(PER_DAY, PER_DAY)]
     # A changed prompt is new work: every row is sent again and replaced, still one row per id.
-    changed = asset(dataset, prompt=Prompt(template="Sentiment of: {{ headline }}"))
+    changed = asset(dataset, prompt=Prompt(template="Sentiment of: {{ headline }}"), params={})
     md = metadata(materialize(changed, fresh_sim, bq_endpoint))
-    assert md["rows_ok"] == PER_DAY and md["rows_skipped"] == 0
+    assert md["run/rows_ok"] == PER_DAY and md["run/rows_skipped"] == 0
     assert query(bq, sql) == [(PER_DAY, PER_DAY)]
 
 
@@ -250,14 +251,14 @@ def test_failed_rows_are_replaced_on_rerun(fresh_sim, bq_endpoint, bq, dataset):
     fresh_sim.configure(fail_503=1.0)
     first = materialize(asset(dataset), fresh_sim, bq_endpoint, max_attempts=1)
     assert not first.success
-    assert f"{PER_DAY} of {PER_DAY} rows failed" in failure_message(first)
+    assert f"{PER_DAY} of the partition's {PER_DAY} rows have failed" in failure_message(first)
     table = f"`{dataset}`.`news_sentiment`"
     assert query(bq, f"SELECT status, error_class, COUNT(*) FROM {table} GROUP BY 1, 2") == [
         ("failed", "server_error", PER_DAY)
     ]
     fresh_sim.configure(fail_503=0.0)
     md = metadata(materialize(asset(dataset), fresh_sim, bq_endpoint))
-    assert md["rows_ok"] == PER_DAY and md["rows_skipped"] == 0
+    assert md["run/rows_ok"] == PER_DAY and md["run/rows_skipped"] == 0
     assert query(bq, f"SELECT status, COUNT(*), COUNT(DISTINCT id) FROM {table} GROUP BY 1") == [
         ("ok", PER_DAY, PER_DAY)
     ]
@@ -284,7 +285,7 @@ def test_static_partition_on_a_string_column(fresh_sim, bq_endpoint, bq, dataset
     )
     result = materialize(a, fresh_sim, bq_endpoint, key="eu")
     assert result.success, failure_message(result)
-    assert metadata(result, "triage")["rows_ok"] == 5
+    assert metadata(result, "triage")["partition/rows_ok"] == 5
     rows = query(bq, f"SELECT id FROM `{dataset}`.`triage_out` ORDER BY id")
     assert rows == [("1",), ("3",), ("5",), ("7",), ("9",)]  # STRING ids, the source's type
 
@@ -713,7 +714,7 @@ def test_one_table_per_partition_keeps_every_partition(fresh_sim, bq_endpoint, b
         for key in ("t1", "t2"):
             result = dg.materialize([a], instance=instance, partition_key=key, resources=resources)
             md = metadata(result)
-            assert md["rows_ok"] == 5 and md["rows_skipped"] == 0, key
+            assert md["run/rows_ok"] == 5 and md["run/rows_skipped"] == 0, key
     rows = query(
         bq,
         f"SELECT partition_key, COUNT(*), COUNT(DISTINCT id) FROM `{dataset}`.`news_sentiment` "

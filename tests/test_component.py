@@ -69,7 +69,7 @@ def test_ok_fixture_yields_assets_checks_jobs_schedule_and_sensors(ok_defs):
         dg.AssetKey(["research", "incoming_sentiment"]),
     )
     assert set(by_key(ok_defs)) == {headline, incoming}
-    check_keys = {key for c in ok_defs.asset_checks or [] for key in c.check_keys}
+    check_keys = {key for a in by_key(ok_defs).values() for key in a.check_keys}
     assert check_keys == {dg.AssetCheckKey(headline, name) for name in CHECKS}  # incoming: off
     assert {j.name for j in ok_defs.jobs or []} == {
         "headline_sentiment_job",
@@ -170,7 +170,7 @@ def test_the_demo_folder_declares_the_former_python_demo_asset():
     assert md["batch_llm/source_table"] == "news_headlines"
     assert md["batch_llm/output_table"] == "news_sentiment"
     assert asset.group_names_by_key[asset.key] == "demo"
-    assert {k.name for c in demo.asset_checks or [] for k in c.check_keys} == CHECKS
+    assert {k.name for k in asset.check_keys} == CHECKS
     assert [s.job_name for s in demo.schedules or []] == ["headline_sentiment_job"]
 
     from batch_llm_assets import definitions
@@ -185,11 +185,8 @@ def test_a_yaml_asset_and_its_checks_run(ok_defs, fresh_sim, tmp_path):
     db = str(tmp_path / "w.duckdb")
     create_demo_table(db, days=3, per_day=60)
     asset = by_key(ok_defs)[dg.AssetKey("headline_sentiment")]
-    checks = [
-        c for c in ok_defs.asset_checks or [] if asset.key in {k.asset_key for k in c.check_keys}
-    ]
     result = dg.materialize(
-        [asset, *checks],
+        [asset],
         partition_key="2026-11-02",
         resources={
             "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
@@ -198,7 +195,7 @@ def test_a_yaml_asset_and_its_checks_run(ok_defs, fresh_sim, tmp_path):
     )
     assert result.success
     md = result.asset_materializations_for_node("headline_sentiment")[0].metadata
-    assert md["rows_ok"].value == 60
+    assert md["partition/rows_ok"].value == 60
     evaluations = result.get_asset_check_evaluations()
     assert {e.check_name for e in evaluations} == CHECKS
     assert all(e.passed for e in evaluations)
@@ -272,6 +269,8 @@ def load_attributes(tmp_path, monkeypatch):
     [
         ({"max_failed_fraction": -0.1}, "max_failed_fraction: must be within [0, 1], got -0.1"),
         ({"max_failed_fraction": "a lot"}, "max_failed_fraction: Input should be a valid number"),
+        ({"warn_failed_fraction": 2}, "warn_failed_fraction: must be within [0, 1], got 2"),
+        ({"params": {"n": 3}}, "LlmBatchComponent 'headline_sentiment': params.n is 3"),
         ({"chunk_rows": 0}, "chunk_rows: must be >= 1"),
         ({"params": "temperature=0"}, "params: Input should be a valid dictionary"),
         ({"params": {"temperature": "hot"}}, "params.temperature: must be a number"),
@@ -345,6 +344,6 @@ def test_good_attributes_load_and_default_to_daily_partitions(load_attributes):
     defs = load_attributes(GOOD)
     (asset,) = by_key(defs).values()
     assert asset.partitions_def == dg.DailyPartitionsDefinition(start_date="2019-01-01")
-    assert {k.name for c in defs.asset_checks or [] for k in c.check_keys} == CHECKS
+    assert {k.name for k in asset.check_keys} == CHECKS
     assert not defs.schedules and not defs.sensors
     assert [j.name for j in defs.jobs or []] == ["headline_sentiment_job"]

@@ -175,14 +175,14 @@ def test_fault_storm_ends_every_row_ok_or_with_a_reason(fresh_sim, tmp_path, val
             {
                 "storm_ok": statuses.get("ok", 0),
                 "storm_rows": 600,
-                "client_429": md["http_429"],
-                "retries": md["retries"],
+                "client_429": md["run/http_429"],
+                "retries": md["run/retries"],
                 "sim_faults": {k: v for k, v in stats.items() if k.startswith("fault_")},
             }
         )
     )
     assert statuses.get("ok", 0) >= 0.99 * 600
-    assert md["http_429"] > 0 and stats["fault_hang"] > 0 and stats["fault_drop"] > 0
+    assert md["run/http_429"] > 0 and stats["fault_hang"] > 0 and stats["fault_drop"] > 0
 
 
 # -- Redis outage ---------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ def test_bad_data_is_handled_row_by_row(fresh_sim, tmp_path):
     # An empty partition succeeds with 0 rows.
     empty = dg.materialize([a], partition_key="2026-11-02", resources=resources)
     md = empty.asset_materializations_for_node("docs_out")[0].metadata
-    assert md["rows_in"].value == 0 and md["dagster/row_count"].value == 0
+    assert md["partition/rows_input"].value == 0 and md["dagster/row_count"].value == 0
     assert result.success
 
 

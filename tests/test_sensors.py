@@ -18,7 +18,6 @@ from batch_llm_assets import (
     SourceTable,
     build_llm_batch_asset,
 )
-from batch_llm_assets.assets import build_llm_batch_checks
 from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.engine.errors import BatchLLMError
 from batch_llm_assets.sensors import (
@@ -102,7 +101,7 @@ def test_a_new_partition_reads_its_whole_table(incoming, fresh_sim):
             },
         )
         md = result.asset_materializations_for_node("incoming_sentiment")[0].metadata
-        assert md["rows_ok"].value == 5
+        assert md["partition/rows_ok"].value == 5
 
 
 def test_sensor_errors_are_clear(incoming):
@@ -241,23 +240,36 @@ def test_notification_posts_the_runs_figures_with_retries(receiver, fresh_sim, t
         assert secret not in text and "secret-token" not in text
 
 
-def test_checks_pass_and_fail_on_the_latest_materialization(fresh_sim, tmp_path):
+def test_checks_belong_to_their_partition_and_warn_below_the_run_threshold(fresh_sim, tmp_path):
+    """Each materialisation reports checks on its own partition's rows: a bad day warns (WARN,
+    1 % threshold) without failing its run (50 %), and the next day's checks stay green."""
     db = str(tmp_path / "c.duckdb")
-    create_demo_table(db, days=1, per_day=20)
+    create_demo_table(db, days=2, per_day=20)
     con = duckdb.connect(db)
-    con.execute("UPDATE news_headlines SET headline = NULL WHERE id = 1")
+    con.execute("UPDATE news_headlines SET headline = NULL WHERE id = 1")  # day 1's row
     con.close()
     asset = _daily_asset(max_failed_fraction=0.5)
-    strict = build_llm_batch_checks(asset, max_failed_fraction=0.01)
-    result = dg.materialize(
-        [asset, *strict],
-        partition_key="2026-11-01",
-        resources={
-            "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1"),
-            "warehouse": DuckDBWarehouse(database=db),
-        },
-    )
-    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    assert evaluations["row_count_matches_input"].passed
-    assert not evaluations["failed_fraction"].passed  # 1 of 20 failed: 5 % > 1 %
-    assert evaluations["failed_fraction"].metadata["rows_failed"].value == 1
+    resources = {
+        "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1"),
+        "warehouse": DuckDBWarehouse(database=db),
+    }
+    with dg.instance_for_test() as instance:
+
+        def checks(day):
+            result = dg.materialize(
+                [asset], partition_key=day, resources=resources, instance=instance
+            )
+            assert result.success
+            return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+        bad = checks("2026-11-01")
+        assert not bad["failed_fraction"].passed  # 1 of 20 failed: 5 % > 1 %
+        assert bad["failed_fraction"].severity == dg.AssetCheckSeverity.WARN
+        assert bad["failed_fraction"].metadata["rows_failed"].value == 1
+        assert bad["row_count_matches_input"].passed
+        good = checks("2026-11-02")  # after the bad day: its own figures, not the latest event's
+        assert good["failed_fraction"].passed and good["row_count_matches_input"].passed
+        assert good["failed_fraction"].metadata["rows_failed"].value == 0
+        again = checks("2026-11-01")  # a rerun sends only the bad row: judged on all 20
+        assert again["failed_fraction"].metadata["failed_fraction"].value == pytest.approx(0.05)
+        assert again["row_count_matches_input"].metadata["rows_output"].value == 20

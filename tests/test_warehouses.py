@@ -64,11 +64,11 @@ def test_one_table_per_partition_keeps_every_partition(tmp_path, fresh_sim):
         for key in tables:
             result = dg.materialize([a], instance=instance, partition_key=key, resources=resources)
             md = result.asset_materializations_for_node("incoming_sentiment")[0].metadata
-            assert md["rows_ok"].value == N and md["rows_skipped"].value == 0, key
+            assert md["run/rows_ok"].value == N and md["run/rows_skipped"].value == 0, key
         # A rerun of one partition skips exactly its own rows.
         again = dg.materialize([a], instance=instance, partition_key="t2", resources=resources)
         md = again.asset_materializations_for_node("incoming_sentiment")[0].metadata
-        assert md["rows_skipped"].value == N and md["rows_ok"].value == 0
+        assert md["run/rows_skipped"].value == N and md["run/rows_ok"].value == 0
     counts = query(
         db,
         "SELECT partition_key, count(*), count(DISTINCT id) FROM incoming_sentiment "
@@ -163,7 +163,7 @@ def test_new_output_columns_are_added_and_changed_types_refused(con):
     s.ensure_output(output_table("out"), SRC)
     s.write_results(output_table("out"), [result_row(1, "a", response="r")])
     grown = OutputTable(
-        "out", (*OUTPUT_COLUMNS, ("finish_reason", "string"), ("total_ms", "float"))
+        "out", (*OUTPUT_COLUMNS, ("label", "string"), ("score", "float"))
     )
     s.ensure_output(grown, SRC)
     types = dict(
@@ -171,15 +171,15 @@ def test_new_output_columns_are_added_and_changed_types_refused(con):
             "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = 'out'"
         ).fetchall()
     )
-    assert types["finish_reason"] == "VARCHAR" and types["total_ms"] == "DOUBLE"
-    assert con.execute("SELECT response, finish_reason FROM out").fetchall() == [("r", None)]
-    s.write_results(grown, [result_row(2, "a", finish_reason="stop", total_ms=1.5)])
-    assert con.execute("SELECT finish_reason, total_ms FROM out WHERE id = 2").fetchone() == (
-        "stop",
+    assert types["label"] == "VARCHAR" and types["score"] == "DOUBLE"
+    assert con.execute("SELECT response, label FROM out").fetchall() == [("r", None)]
+    s.write_results(grown, [result_row(2, "a", label="up", score=1.5)])
+    assert con.execute("SELECT label, score FROM out WHERE id = 2").fetchone() == (
+        "up",
         1.5,
     )
-    changed = OutputTable("out", (*OUTPUT_COLUMNS, ("finish_reason", "int")))
-    with pytest.raises(BatchLLMError, match="finish_reason is VARCHAR, expected BIGINT"):
+    changed = OutputTable("out", (*OUTPUT_COLUMNS, ("label", "int")))
+    with pytest.raises(BatchLLMError, match="label is VARCHAR, expected BIGINT"):
         s.ensure_output(changed, SRC)
 
 

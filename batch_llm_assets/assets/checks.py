@@ -1,48 +1,114 @@
-"""Asset checks on a batch asset's latest materialisation: failures and completeness."""
+"""Checks and the run's verdict, judged on the partition as the output table holds it.
+
+Both are computed inside the materialisation from that partition's rows (`partition_summary`),
+never from "the latest materialisation" (in a backfill that is another partition's) nor from the
+rows this run happened to send (a rerun that sends only the 10 permanently failing rows of 300
+is not "100 % failed").
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 import dagster as dg
 
+FAILED_FRACTION = "failed_fraction"
+ROW_COUNT = "row_count_matches_input"
+# Warn well before the run's own failure threshold (DEFAULT_MAX_FAILED_FRACTION, 5 %): a partition
+# can pass the run and still deserve a look.
+DEFAULT_WARN_FAILED_FRACTION = 0.01
 
-def _latest_metadata(context: dg.AssetCheckExecutionContext, key: dg.AssetKey) -> dict:
-    event = context.instance.get_latest_materialization_event(key)
-    mat = event.asset_materialization if event else None
-    return {k: v.value for k, v in mat.metadata.items()} if mat else {}
+
+def failed_fraction(summary: dict[str, Any], rows_in: int) -> float:
+    """Failed rows of the partition in the output table / the partition's input rows."""
+    return summary["rows_failed"] / rows_in if rows_in else 0.0
 
 
-def build_llm_batch_checks(
-    asset: dg.AssetsDefinition, *, max_failed_fraction: float = 0.05
-) -> list[dg.AssetChecksDefinition]:
-    """Two checks, run after each materialisation: failed fraction under its threshold, and
-    one output row for every input row of the partition."""
-    key = asset.key
-
-    @dg.asset_check(
-        asset=key,
-        name="failed_fraction",
-        description=(
-            f"Rows that failed, out of those sent, are at most {max_failed_fraction:.0%}."
+def check_specs(
+    asset_key: dg.AssetKey,
+    *,
+    warn_failed_fraction: float = DEFAULT_WARN_FAILED_FRACTION,
+    severity: dg.AssetCheckSeverity = dg.AssetCheckSeverity.WARN,
+) -> list[dg.AssetCheckSpec]:
+    """The two checks every materialisation reports for its own partition."""
+    return [
+        dg.AssetCheckSpec(
+            FAILED_FRACTION,
+            asset=asset_key,
+            description=f"Failed rows of the partition (in the output table) are at most "
+            f"{warn_failed_fraction:.1%} of its input rows ({severity.value} otherwise).",
         ),
-    )
-    def failed_fraction(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        md = _latest_metadata(context, key)
-        ok, failed = int(md.get("rows_ok", 0)), int(md.get("rows_failed", 0))
-        fraction = failed / (ok + failed) if ok + failed else 0.0
-        return dg.AssetCheckResult(
-            passed=bool(md) and fraction <= max_failed_fraction,
-            metadata={"failed_fraction": fraction, "rows_failed": failed, "rows_ok": ok},
-        )
+        dg.AssetCheckSpec(
+            ROW_COUNT,
+            asset=asset_key,
+            description="The output table holds exactly one row per input row of the partition.",
+        ),
+    ]
 
-    @dg.asset_check(
-        asset=key,
-        name="row_count_matches_input",
-        description=("The output has exactly one row per input row of the partition."),
-    )
-    def row_count(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        md = _latest_metadata(context, key)
-        rows_in, rows_out = md.get("rows_in"), md.get("dagster/row_count")
-        return dg.AssetCheckResult(
-            passed=rows_in is not None and rows_in == rows_out,
-            metadata={"rows_in": rows_in or 0, "rows_out": rows_out or 0},
-        )
 
-    return [failed_fraction, row_count]
+def check_results(
+    summary: dict[str, Any],
+    rows_in: int,
+    *,
+    warn_failed_fraction: float = DEFAULT_WARN_FAILED_FRACTION,
+    severity: dg.AssetCheckSeverity = dg.AssetCheckSeverity.WARN,
+) -> list[dg.AssetCheckResult]:
+    """Results of `check_specs` for one partition, from its `partition_summary`."""
+    fraction = failed_fraction(summary, rows_in)
+    rows_out = summary["rows_total"]
+    return [
+        dg.AssetCheckResult(
+            check_name=FAILED_FRACTION,
+            passed=fraction <= warn_failed_fraction,
+            severity=severity,
+            metadata={
+                "failed_fraction": dg.MetadataValue.float(round(fraction, 6)),
+                "threshold": dg.MetadataValue.float(warn_failed_fraction),
+                "rows_failed": dg.MetadataValue.int(summary["rows_failed"]),
+                "rows_input": dg.MetadataValue.int(rows_in),
+            },
+        ),
+        dg.AssetCheckResult(
+            check_name=ROW_COUNT,
+            passed=rows_out == rows_in,
+            metadata={
+                "rows_input": dg.MetadataValue.int(rows_in),
+                "rows_output": dg.MetadataValue.int(rows_out),
+            },
+        ),
+    ]
+
+
+def failure_reason(
+    summary: dict[str, Any], rows_in: int, *, max_failed_fraction: float, aborted: str | None
+) -> str | None:
+    """Why the run fails (the batch was aborted, or too much of the partition failed), or None."""
+    if aborted:
+        return aborted
+    fraction = failed_fraction(summary, rows_in)
+    if fraction > max_failed_fraction:
+        return (
+            f"{summary['rows_failed']} of the partition's {rows_in} rows have failed "
+            f"({fraction:.1%} > {max_failed_fraction:.1%})"
+        )
+    return None
+
+
+def judge_partition(
+    summary: dict[str, Any],
+    rows_in: int,
+    *,
+    max_failed_fraction: float,
+    aborted: str | None,
+    metadata: dict[str, Any],
+) -> None:
+    """Fail the materialisation (after every row was written) when the partition is not good."""
+    why = failure_reason(summary, rows_in, max_failed_fraction=max_failed_fraction, aborted=aborted)
+    if why is None:
+        return
+    top = ", ".join(f"{k} ({n})" for k, n in summary["errors"].items()) or "none"
+    raise dg.Failure(
+        description=f"{why}. Top errors in the partition: {top}. Every row was written; rerun "
+        "the partition to retry only the failed rows.",
+        metadata=metadata,
+    )

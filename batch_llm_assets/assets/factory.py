@@ -10,9 +10,11 @@ import dagster as dg
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
+from .checks import DEFAULT_WARN_FAILED_FRACTION, check_results, check_specs, judge_partition
 from .metadata import build_metadata
 from .prompt import CompiledPrompt, Prompt
-from .runner import PartitionRun, RunSpec, check_failures
+from .request_params import check_params
+from .runner import PartitionRun, RunSpec
 from .schema import output_schema, output_table
 
 DEFAULT_MAX_FAILED_FRACTION = 0.05
@@ -63,6 +65,8 @@ def build_llm_batch_asset(
     params: Mapping[str, Any] | None = None,
     partitions_def: dg.PartitionsDefinition | None = None,
     max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION,
+    checks: bool = True,
+    warn_failed_fraction: float = DEFAULT_WARN_FAILED_FRACTION,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     llm_resource_key: str = "llm",
     warehouse_resource_key: str = "warehouse",
@@ -95,6 +99,10 @@ def build_llm_batch_asset(
         raise BatchLLMError(
             description=f"max_failed_fraction must be within [0, 1], got {max_failed_fraction}"
         )
+    if not 0 <= warn_failed_fraction <= 1:
+        raise BatchLLMError(
+            description=f"warn_failed_fraction must be within [0, 1], got {warn_failed_fraction}"
+        )
     if chunk_rows < 1:
         raise BatchLLMError(description=f"chunk_rows must be >= 1, got {chunk_rows}")
     if partitions_def is None:
@@ -104,6 +112,9 @@ def build_llm_batch_asset(
             description=f"Asset {name!r} is partitioned: set source.partition_column."
         )
     params = dict(params or {})
+    check_params(params)
+    asset_key = dg.AssetKey([*(key_prefix or []), name])
+    specs = check_specs(asset_key, warn_failed_fraction=warn_failed_fraction) if checks else []
     spec = RunSpec(
         source=SourceRef(source.table, source.id_column, columns, source.partition_column),
         output=output_table(output),
@@ -125,6 +136,7 @@ def build_llm_batch_asset(
         tags=dict(tags or {}),
         owners=list(owners) if owners else None,
         kinds={"python", "openai"},
+        check_specs=specs,
         metadata={
             "batch_llm/source_table": source.table,
             "batch_llm/table_per_partition": per_partition,
@@ -151,11 +163,22 @@ def build_llm_batch_asset(
                     run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
                 )
                 stats = run.run()
-                row_count = session.count_output(output, partition_key)
+                summary = session.partition_summary(output, partition_key)
         except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
             raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
-        metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
-        check_failures(stats, max_failed_fraction, metadata)
-        return dg.MaterializeResult(metadata=metadata)
+        metadata = build_metadata(stats, summary=summary, model=run.model, output=output)
+        judge_partition(
+            summary,
+            stats.rows_in,
+            max_failed_fraction=max_failed_fraction,
+            aborted=stats.aborted,
+            metadata=metadata,
+        )
+        results = (
+            check_results(summary, stats.rows_in, warn_failed_fraction=warn_failed_fraction)
+            if checks
+            else []
+        )
+        return dg.MaterializeResult(metadata=metadata, check_results=results)
 
     return _asset

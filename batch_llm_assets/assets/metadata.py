@@ -1,4 +1,10 @@
-"""Materialisation metadata: numbers Dagster can plot across partitions, a schema, a summary."""
+"""Materialisation metadata: the partition as it now stands, and, apart, what this run did.
+
+`partition/*` entries are read from the output table, so an unchanged partition plots flat
+however many reruns skip it; `run/*` entries describe this run alone. Every key says its unit
+(`_s`, `_ms`, `_usd`, `rows_`, `_tokens`), because Dagster shows the key as the label. A cost
+that cannot be known (no price for the model) is left out, never written as text.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +12,97 @@ from typing import Any
 
 import dagster as dg
 
+from .checks import failed_fraction
 from .runner import RunStats
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
     idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return sorted_values[idx]
 
 
-def build_metadata(stats: RunStats, *, row_count: int, model: str, output: str) -> dict[str, Any]:
-    lat = sorted(stats.latencies)
+def _float(value: float, digits: int = 3) -> dg.MetadataValue:
+    return dg.MetadataValue.float(round(float(value), digits))
+
+
+def partition_metadata(summary: dict[str, Any], rows_in: int) -> dict[str, Any]:
+    """The partition's figures from `partition_summary` (the output table's rows)."""
+    md: dict[str, Any] = {
+        "dagster/row_count": dg.MetadataValue.int(summary["rows_total"]),
+        "partition/rows_input": dg.MetadataValue.int(rows_in),
+        "partition/rows_ok": dg.MetadataValue.int(summary["rows_ok"]),
+        "partition/rows_failed": dg.MetadataValue.int(summary["rows_failed"]),
+        "partition/rows_total": dg.MetadataValue.int(summary["rows_total"]),
+        "partition/failed_fraction": _float(failed_fraction(summary, rows_in), 4),
+        "partition/prompt_tokens": dg.MetadataValue.int(summary["prompt_tokens"]),
+        "partition/completion_tokens": dg.MetadataValue.int(summary["completion_tokens"]),
+    }
+    if summary["cost_usd"] is not None:
+        md["partition/cost_usd"] = _float(summary["cost_usd"], 6)
+    return md
+
+
+def run_metadata(stats: RunStats) -> dict[str, Any]:
+    """What this run did: rows sent and skipped, its tokens and cost, time, waits, 429s."""
     wall = max(stats.wall_s, 1e-9)
     sent = stats.ok + stats.failed
     tokens = stats.prompt_tokens + stats.completion_tokens
-    cost = stats.cost_usd
     md: dict[str, Any] = {
-        "dagster/row_count": dg.MetadataValue.int(row_count),
-        "rows_in": dg.MetadataValue.int(stats.rows_in),
-        "rows_ok": dg.MetadataValue.int(stats.ok),
-        "rows_failed": dg.MetadataValue.int(stats.failed),
-        "rows_skipped": dg.MetadataValue.int(stats.skipped),
-        "prompt_tokens": dg.MetadataValue.int(stats.prompt_tokens),
-        "completion_tokens": dg.MetadataValue.int(stats.completion_tokens),
-        "cost_usd": dg.MetadataValue.float(round(cost, 6))
-        if cost is not None
-        else dg.MetadataValue.text("unknown"),
-        "latency_p50_ms": dg.MetadataValue.float(round(_percentile(lat, 0.50), 2)),
-        "latency_p95_ms": dg.MetadataValue.float(round(_percentile(lat, 0.95), 2)),
-        "latency_max_ms": dg.MetadataValue.float(round(lat[-1], 2) if lat else 0.0),
-        "wall_s": dg.MetadataValue.float(round(stats.wall_s, 3)),
-        "rows_per_s": dg.MetadataValue.float(round(sent / wall, 2)),
-        "tokens_per_min": dg.MetadataValue.float(round(tokens / wall * 60, 1)),
-        "rate_limit_wait_s": dg.MetadataValue.float(round(stats.rate_limit_wait_s, 3)),
-        "retries": dg.MetadataValue.int(stats.retries),
-        "http_429": dg.MetadataValue.int(stats.http_429),
-        "model": dg.MetadataValue.text(model),
+        "run/rows_sent": dg.MetadataValue.int(sent),
+        "run/rows_ok": dg.MetadataValue.int(stats.ok),
+        "run/rows_failed": dg.MetadataValue.int(stats.failed),
+        "run/rows_skipped": dg.MetadataValue.int(stats.skipped),
+        "run/prompt_tokens": dg.MetadataValue.int(stats.prompt_tokens),
+        "run/completion_tokens": dg.MetadataValue.int(stats.completion_tokens),
+        "run/wall_s": _float(stats.wall_s),
+        "run/rows_per_s": _float(sent / wall, 2),
+        "run/tokens_per_min": _float(tokens / wall * 60, 1),
+        "run/limiter_wait_s": _float(stats.rate_limit_wait_s),
+        "run/http_429": dg.MetadataValue.int(stats.http_429),
+        "run/retries": dg.MetadataValue.int(stats.retries),
     }
-    errors = ", ".join(f"`{k}` {n}" for k, n in stats.errors.most_common(5)) or "none"
-    cost_text = f"${cost:.4f}" if cost is not None else "unknown (no price for this model)"
-    md["summary"] = dg.MetadataValue.md(
-        f"**{stats.ok}** ok, **{stats.failed}** failed, **{stats.skipped}** skipped of "
-        f"{stats.rows_in} rows → `{output}`\n\n"
-        f"| tokens in / out | cost | wall | rows/s | p50 / p95 latency | 429s | retries |\n"
-        f"|---|---|---|---|---|---|---|\n"
-        f"| {stats.prompt_tokens} / {stats.completion_tokens} | {cost_text} | "
-        f"{stats.wall_s:.1f} s | {sent / wall:.1f} | {_percentile(lat, 0.5):.0f} / "
-        f"{_percentile(lat, 0.95):.0f} ms | {stats.http_429} | {stats.retries} |\n\n"
-        f"Errors: {errors}"
-    )
+    if stats.cost_usd is not None:
+        md["run/cost_usd"] = _float(stats.cost_usd, 6)
+    lat = sorted(stats.latencies)
+    if lat:  # a run that sent nothing has no latency (not a latency of 0)
+        md["run/latency_p50_ms"] = _float(_percentile(lat, 0.50), 2)
+        md["run/latency_p95_ms"] = _float(_percentile(lat, 0.95), 2)
+        md["run/latency_max_ms"] = _float(lat[-1], 2)
     return md
+
+
+def build_metadata(
+    stats: RunStats, *, summary: dict[str, Any], model: str, output: str
+) -> dict[str, Any]:
+    """Every entry of a materialisation (or of its failure): partition, run, model, summary."""
+    rows_in = stats.rows_in
+    md = {**partition_metadata(summary, rows_in), **run_metadata(stats)}
+    md["model"] = dg.MetadataValue.text(model)
+    md["summary"] = dg.MetadataValue.md(_summary_text(stats, summary, rows_in, output))
+    return md
+
+
+def _money(cost: float | None) -> str:
+    return f"${cost:.4f}" if cost is not None else "unknown (no price for this model)"
+
+
+def _summary_text(stats: RunStats, summary: dict[str, Any], rows_in: int, output: str) -> str:
+    errors = ", ".join(f"`{k}` {n}" for k, n in summary["errors"].items()) or "none"
+    lat = sorted(stats.latencies)
+    latency = (
+        f"{_percentile(lat, 0.5):.0f} / {_percentile(lat, 0.95):.0f} ms" if lat else "no request"
+    )
+    sent = stats.ok + stats.failed
+    return (
+        f"**Partition** (`{output}`): **{summary['rows_ok']}** ok, **{summary['rows_failed']}** "
+        f"failed of {rows_in} input rows; {summary['prompt_tokens']} / "
+        f"{summary['completion_tokens']} tokens in / out, cost {_money(summary['cost_usd'])} "
+        f"to date. Errors: {errors}\n\n"
+        f"**This run**: {sent} sent ({stats.ok} ok, {stats.failed} failed), {stats.skipped} "
+        f"skipped as already done\n\n"
+        "| tokens in / out | cost | wall | limiter wait | p50 / p95 latency | 429s | retries |\n"
+        "|---|---|---|---|---|---|---|\n"
+        f"| {stats.prompt_tokens} / {stats.completion_tokens} | {_money(stats.cost_usd)} | "
+        f"{stats.wall_s:.1f} s | {stats.rate_limit_wait_s:.1f} s | {latency} | "
+        f"{stats.http_429} | {stats.retries} |"
+    )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -13,10 +11,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
-
 from ..engine import errors as E
-from ..engine.engine import ChatRequest, ChatResult
+from ..engine.engine import ChatRequest, ChatResult, Engine
+from ..engine.errors import redact
+from ..engine.identity import request_identity
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
@@ -25,12 +23,6 @@ from .prompt import CompiledPrompt
 
 PROGRESS_EVERY_S = 30.0
 FLUSH_EVERY_S = 1.0
-
-
-def request_hash(messages: list[dict[str, Any]], model: str, params: dict[str, Any]) -> str:
-    """Identity of a request for resume: the same prompt, model and params is the same work."""
-    doc = json.dumps({"m": messages, "model": model, "p": params}, sort_keys=True, default=str)
-    return hashlib.sha256(doc.encode()).hexdigest()
 
 
 @dataclass
@@ -62,11 +54,10 @@ class RunStats:
             self.errors[r.error_class or "unknown"] += 1
         self.prompt_tokens += r.prompt_tokens or 0
         self.completion_tokens += r.completion_tokens or 0
-        if r.ok and self.cost_usd is not None:
+        if r.prompt_tokens is not None and self.cost_usd is not None:  # billed, even if failed
             self.cost_usd = None if cost is None else self.cost_usd + cost
         self.retries += max(0, r.attempts - 1)
         self.http_429 += r.http_429
-        self.rate_limit_wait_s += r.rate_limit_wait_s
         if r.latency_ms is not None:
             self.latencies.append(r.latency_ms)
 
@@ -102,7 +93,6 @@ class PartitionRun:
         self.partition_key = partition_key
         self.log = log
         self.model = spec.model or llm.model
-        self.params = {**llm.params, **spec.params}
         self.price = price_for(
             self.model,
             input_override=llm.price_input_per_1m,
@@ -146,7 +136,7 @@ class PartitionRun:
         self.journal.clear()
 
     # -- the run -----------------------------------------------------------------------------
-    def _requests(self) -> Iterator[ChatRequest]:
+    def _requests(self, engine: Engine) -> Iterator[ChatRequest]:
         for chunk in self.db.read_slice(self.spec.source, self.where, self.spec.chunk_rows):
             done = self.db.done_hashes(
                 self.spec.output, self.partition_key, [r[self.spec.source.id_column] for r in chunk]
@@ -157,7 +147,9 @@ class PartitionRun:
                 if problem is not None:
                     yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
                     continue
-                h = request_hash(messages, self.model, self.params)
+                h = request_identity(
+                    engine.request_body(messages), self.llm.base_url, self.llm.api_version
+                )
                 if done.get(rid) == h:
                     self.stats.skipped += 1
                     continue
@@ -173,12 +165,15 @@ class PartitionRun:
             "response": r.response,
             "status": r.status,
             "error_class": r.error_class,
-            "error": r.error_message,
+            "error": redact(r.error_message, self.llm.api_key) if r.error_message else None,
+            "finish_reason": r.finish_reason,
+            "refusal": r.refusal,
             "model": self.model,
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
             "cost_usd": cost,
             "latency_ms": r.latency_ms,
+            "total_ms": r.total_ms,
             "attempts": r.attempts,
             "request_hash": self._hashes.pop(r.id, None),
             "completed_at": now,
@@ -191,7 +186,7 @@ class PartitionRun:
         buffer: list[dict[str, Any]] = []
         writing: asyncio.Task[None] | None = None
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
-            results: AsyncIterator[ChatResult] = engine.map(_threaded(self._requests()))
+            results: AsyncIterator[ChatResult] = engine.map(_threaded(self._requests(engine)))
             async for result in results:
                 row = self._row(result, datetime.now(UTC))
                 self.journal.append(row)
@@ -213,6 +208,7 @@ class PartitionRun:
                     last_log = now
                     next_pct = (int(pct) // 10 + 1) * 10
             self.stats.aborted = engine.aborted_reason
+            self.stats.rate_limit_wait_s = engine.limiter_wait_s  # wall time, not a sum over rows
         if writing is not None:
             await writing
         if buffer:
@@ -245,19 +241,3 @@ async def _threaded(items: Iterator[ChatRequest]) -> AsyncIterator[ChatRequest]:
         if item is sentinel:
             return
         yield item  # type: ignore[misc]
-
-
-def check_failures(stats: RunStats, max_failed_fraction: float, metadata: dict[str, Any]) -> None:
-    """Fail the materialisation (after every row was written) when too many rows failed."""
-    attempted = stats.ok + stats.failed
-    if stats.aborted or (attempted and stats.failed / attempted > max_failed_fraction):
-        top = ", ".join(f"{k} ({n})" for k, n in stats.errors.most_common(3))
-        why = stats.aborted or (
-            f"{stats.failed} of {attempted} rows failed "
-            f"({stats.failed / attempted:.1%} > {max_failed_fraction:.1%})"
-        )
-        raise dg.Failure(
-            description=f"{why}. Top errors: {top}. Every row was written; rerun the partition "
-            "to retry only the failed rows.",
-            metadata=metadata,
-        )

@@ -12,11 +12,14 @@ OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("status", "string"),
     ("error_class", "string"),
     ("error", "string"),
+    ("finish_reason", "string"),
+    ("refusal", "string"),
     ("model", "string"),
     ("prompt_tokens", "int"),
     ("completion_tokens", "int"),
     ("cost_usd", "float"),
     ("latency_ms", "float"),
+    ("total_ms", "float"),
     ("attempts", "int"),
     ("request_hash", "string"),
     ("completed_at", "timestamp"),
@@ -24,10 +27,18 @@ OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
 
 _DESCRIPTIONS = {
     "id": "the source row's id (one output row per input id)",
-    "status": "ok or failed",
-    "error_class": "why a row failed (empty_prompt, context_length, rate_limited, ...)",
-    "request_hash": "sha256 of prompt + model + params: a rerun skips ok rows with the same hash",
+    "response": "the answer's text; for a truncated row the partial text",
+    "status": "ok (a complete answer) or failed",
+    "error_class": "why a row failed: truncated, content_filter, refusal, unexpected_tool_call, "
+    "empty_answer, malformed_response, empty_prompt, context_length, rate_limited, ...",
+    "finish_reason": "the provider's finish_reason (stop, length, content_filter, tool_calls)",
+    "refusal": "the model's refusal message, when it refused",
+    "request_hash": "sha256 of the exact request body sent (model, max_tokens, params, messages) "
+    "and the endpoint (base_url, api_version), numbers normalised: a rerun skips ok rows whose "
+    "hash is unchanged",
     "cost_usd": "NULL when the model's price is unknown",
+    "latency_ms": "the successful attempt's time",
+    "total_ms": "first send to final result, retries and waits included",
 }
 
 

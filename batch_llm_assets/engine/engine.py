@@ -17,6 +17,7 @@ from typing import Any
 from . import _constants as C
 from . import errors as E
 from .limiter import RedisLimiter
+from .outcome import classify_answer, tools_requested
 from .tokens import count_prompt_tokens, encoding_for, requested_max_tokens
 from .transport import ChatResponse, ChatTransport
 
@@ -42,9 +43,11 @@ class ChatResult:
     status: str
     response: str | None = None
     finish_reason: str | None = None
+    refusal: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    latency_ms: float | None = None
+    latency_ms: float | None = None  # the successful (or last) attempt alone
+    total_ms: float | None = None  # first send to final result: retries and waits included
     attempts: int = 0
     error_class: str | None = None
     error_message: str | None = None
@@ -106,7 +109,28 @@ class Engine:
         self._fatal: str | None = None
         self._limits_seen = False
         self._paused_until = 0.0
+        self._waiters = 0  # requests now waiting for the limiter
+        self._wait_since = 0.0
+        self._wait_total = 0.0
         encoding_for(settings.model)  # load tiktoken's files now, not inside the first request
+
+    @property
+    def limiter_wait_s(self) -> float:
+        """Wall time during which at least one request waited for the limiter (not a sum over
+        requests: 64 requests waiting the same second count one second)."""
+        ongoing = time.monotonic() - self._wait_since if self._waiters else 0.0
+        return self._wait_total + ongoing
+
+    async def _wait_for_limiter(self, seconds: float) -> None:
+        if self._waiters == 0:
+            self._wait_since = time.monotonic()
+        self._waiters += 1
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._waiters -= 1
+            if self._waiters == 0:
+                self._wait_total += time.monotonic() - self._wait_since
 
     @property
     def aborted_reason(self) -> str | None:
@@ -154,16 +178,23 @@ class Engine:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def request_body(
+        self, messages: list[dict[str, Any]], params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The exact JSON body sent for these messages, every default applied (pure)."""
+        body = {**self.s.params, **(params or {}), "model": self.s.model, "messages": messages}
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = requested_max_tokens(body, self.s.default_max_tokens)
+        return body
+
     def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int, int] | ChatResult:
         """(body, estimate, max_tokens), or the failed result of a request not to send."""
         messages = req.messages
         user = [m for m in messages or () if m.get("role") == "user"]
         if not user or any(_blank(m.get("content")) for m in user):
             return _failed(req, E.EMPTY_PROMPT, "prompt is null or empty; not sent")
-        body = {**self.s.params, **(req.params or {}), "model": self.s.model, "messages": messages}
+        body = self.request_body(messages or [], req.params)
         max_tokens = requested_max_tokens(body, self.s.default_max_tokens)
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = max_tokens
         estimate = count_prompt_tokens(messages, self.s.model) + max_tokens
         window = self.s.context_window
         if window and estimate > window:
@@ -190,6 +221,8 @@ class Engine:
         waited = 0.0
         n429 = 0
         attempt = 0
+        first_send: float | None = None
+        empty_retried = False
         last: E.ProviderError | None = None
         while True:
             if self._fatal:
@@ -205,12 +238,12 @@ class Engine:
                         return self._deadline(req, attempt, last, waited, n429, estimate)
                     if grant.wait_s > 0:
                         waited += grant.wait_s
-                        await asyncio.sleep(grant.wait_s)
+                        await self._wait_for_limiter(grant.wait_s)
                     # Granted before a 429 was seen here: still wait out the server's hint.
                     hold = self._paused_until - time.monotonic()
                     if hold > 0:
                         waited += hold
-                        await asyncio.sleep(hold)
+                        await self._wait_for_limiter(hold)
             except E.LimiterUnavailableError as exc:
                 return _failed(
                     req,
@@ -225,6 +258,7 @@ class Engine:
             if deadline is not None:
                 timeout = max(0.001, min(timeout, deadline - time.monotonic()))
             started = time.perf_counter()
+            first_send = first_send or started
             try:
                 resp = await self.transport.chat(body, timeout)
             except E.ProviderError as exc:
@@ -244,6 +278,7 @@ class Engine:
                         req,
                         exc.error_class,
                         exc.message,
+                        total_ms=(time.perf_counter() - first_send) * 1000,
                         attempts=attempt,
                         estimated_tokens=estimate,
                         rate_limit_wait_s=waited,
@@ -254,17 +289,27 @@ class Engine:
                     return self._deadline(req, attempt, last, waited, n429, estimate)
                 await asyncio.sleep(delay)
                 continue
-            latency_ms = (time.perf_counter() - started) * 1000
+            ended = time.perf_counter()
             self._fatal_streak = 0
             await self._reconcile(estimate, max_tokens, resp)
+            verdict = classify_answer(
+                resp, tools_allowed=tools_requested(body), max_tokens=max_tokens
+            )
+            if verdict.retry and not empty_retried:  # billable: once, never max_attempts times
+                empty_retried = True
+                continue
             return ChatResult(
                 req.id,
-                "ok",
-                response=resp.content,
+                verdict.status,
+                response=verdict.response,
                 finish_reason=resp.finish_reason,
+                refusal=resp.refusal,
+                error_class=verdict.error_class,
+                error_message=verdict.message,
                 prompt_tokens=resp.prompt_tokens,
                 completion_tokens=resp.completion_tokens,
-                latency_ms=latency_ms,
+                latency_ms=(ended - started) * 1000,
+                total_ms=(ended - first_send) * 1000,
                 attempts=attempt,
                 estimated_tokens=estimate,
                 rate_limit_wait_s=waited,

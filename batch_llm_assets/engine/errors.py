@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import re
+import urllib.parse
 from typing import Any
 
 # Error codes written to result records (`error_class`), one per failure kind.
@@ -87,12 +90,53 @@ def classify_status(status: int, code: str | None, headers: dict[str, str]) -> t
 
 _KEY_LIKE = re.compile(r"\b(sk|key|api[-_]?key)[-_][A-Za-z0-9_\-*.]{6,}", re.IGNORECASE)
 _BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
+# A run of this many characters of a key is redacted wherever it appears: providers echo keys
+# without their prefix, masked in the middle, URL-encoded or JSON-escaped.
+MIN_KEY_FRAGMENT = 8
+
+
+@functools.lru_cache(maxsize=32)
+def _fragments(secret: str) -> frozenset[str]:
+    """Every MIN_KEY_FRAGMENT-long piece of the key as sent, URL-encoded or JSON-escaped."""
+    forms = {
+        secret,
+        urllib.parse.quote(secret, safe=""),
+        urllib.parse.quote_plus(secret),
+        json.dumps(secret)[1:-1],
+    }
+    n = MIN_KEY_FRAGMENT
+    return frozenset(f[i : i + n] for f in forms for i in range(len(f) - n + 1))
+
+
+def _redact_fragments(text: str, secret: str) -> str:
+    pieces = _fragments(secret)
+    n = MIN_KEY_FRAGMENT
+    covered = [False] * len(text)
+    found = False
+    for i in range(len(text) - n + 1):
+        if text[i : i + n] in pieces:
+            covered[i : i + n] = [True] * n
+            found = True
+    if not found:
+        return text
+    out: list[str] = []
+    for i, ch in enumerate(text):
+        if not covered[i]:
+            out.append(ch)
+        elif i == 0 or not covered[i - 1]:
+            out.append("***")
+    return "".join(out)
 
 
 def redact(text: str, *secrets: str | None) -> str:
-    """Remove secrets, key-like tokens and bearer credentials from text bound for logs or tables."""
+    """Remove secrets, any run of 8+ characters of one, key-like tokens and bearer credentials
+    from text bound for logs, metadata, journals or tables."""
     for secret in secrets:
-        if secret and len(secret) >= 4:
+        if not secret:
+            continue
+        if len(secret) >= MIN_KEY_FRAGMENT:
+            text = _redact_fragments(text, secret)
+        elif len(secret) >= 4:
             text = text.replace(secret, "***")
     text = _BEARER.sub(r"\1***", text)
     return _KEY_LIKE.sub(lambda m: m.group(1) + "-***", text)

@@ -33,6 +33,9 @@ class ChatResponse:
     prompt_tokens: int | None
     completion_tokens: int | None
     headers: dict[str, str]
+    refusal: str | None = None  # message.refusal: the model declined (content is then null)
+    tool_calls: list[Any] | None = None  # message.tool_calls (or a legacy function_call)
+    empty_choices: bool = False  # HTTP 200 with `choices: []`: billable, but no answer
 
 
 class ChatTransport(Protocol):
@@ -63,14 +66,30 @@ def parse_retry_after(headers: dict[str, str]) -> float | None:
 def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
     """The fields the engine needs from a chat.completion body; anything else is malformed."""
     try:
-        choice = payload["choices"][0]
+        choices = payload["choices"]
         usage = payload.get("usage") or {}
+        if isinstance(choices, list) and not choices:
+            return ChatResponse(
+                content=None,
+                finish_reason=None,
+                prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
+                headers=headers,
+                empty_choices=True,
+            )
+        choice = choices[0]
+        message = choice.get("message") or {}
+        calls = message.get("tool_calls") or (
+            [message["function_call"]] if message.get("function_call") else None
+        )
         return ChatResponse(
-            content=(choice.get("message") or {}).get("content"),
+            content=message.get("content"),
             finish_reason=choice.get("finish_reason"),
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
             headers=headers,
+            refusal=message.get("refusal") or None,
+            tool_calls=list(calls) if calls else None,
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(

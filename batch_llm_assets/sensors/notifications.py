@@ -16,7 +16,14 @@ from ..engine.errors import redact
 
 log = logging.getLogger(__name__)
 
-_FIGURES = ("rows_ok", "rows_failed", "rows_skipped", "cost_usd", "wall_s")
+# Figure of the message -> metadata key (assets/metadata.py): the partition's rows, this run's cost.
+_FIGURES = {
+    "rows_ok": "partition/rows_ok",
+    "rows_failed": "partition/rows_failed",
+    "rows_skipped": "run/rows_skipped",
+    "cost_usd": "run/cost_usd",
+    "wall_s": "run/wall_s",
+}
 
 
 def _figures(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, Any]]:
@@ -39,7 +46,8 @@ def _figures(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, Any]]:
             md = dict(user.metadata) if user and user.metadata else {}
             asset, partition = event.step_key or "?", None
         out.append(
-            {"asset": asset, "partition": partition} | {k: md[k].value for k in _FIGURES if k in md}
+            {"asset": asset, "partition": partition}
+            | {k: md[m].value for k, m in _FIGURES.items() if m in md}
         )
     return out
 

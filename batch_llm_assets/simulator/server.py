@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens, count_text_tokens, encoding_for
+from .answers import draw_shape, echo_key, rejection, shaped_choice
 
 _WORDS = [
     "the",
@@ -88,6 +89,18 @@ class SimConfig:
     default_max_tokens: int = 16
     max_answer_tokens: int = 48
     seed: int = 0
+    # Answer shapes (simulator/answers.py): the fraction of prompts answered that way.
+    answer_null_content: float = 0.0
+    answer_refusal: float = 0.0
+    answer_content_filter: float = 0.0
+    answer_length: float = 0.0
+    answer_tool_calls: float = 0.0
+    answer_empty_choices: float = 0.0
+    # How 401s (and the fail_400_key_echo fraction of 400s) echo the key sent: masked (None),
+    # suffix, middle, urlencoded or json.
+    key_echo: str | None = None
+    fail_400_key_echo: float = 0.0
+    fail_marker: str | None = None  # prompts containing it always get a 400
 
 
 class Bucket:
@@ -205,7 +218,7 @@ class Simulator:
         got = got.removeprefix("Bearer ").strip()
         if got == want:
             return None
-        masked = f"{got[:3]}{'*' * 4}{got[-2:]}" if len(got) > 6 else "***"
+        masked = echo_key(got, self.config.key_echo)
         # Like OpenAI, the message echoes a masked key: the client must not log even that.
         return _error(
             401,
@@ -262,6 +275,9 @@ class Simulator:
                 "invalid_request_error",
                 "model_not_found",
             )
+        refused = self._refused(request, messages)
+        if refused is not None:
+            return refused
         prompt_tokens = count_prompt_tokens(messages, model)
         max_tokens = int(
             body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
@@ -319,6 +335,20 @@ class Simulator:
             return await self._fault(request, fault, headers)
 
         content, completion_tokens, finish = self._answer(messages, model, max_tokens)
+        choices = [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        ]
+        shape = draw_shape(cfg, _digest(messages))
+        if shape is not None:
+            self.counts[f"shape_{shape}"] += 1
+            choices, completion_tokens = shaped_choice(
+                shape, content, completion_tokens, max_tokens
+            )
         jitter = 1 + cfg.jitter * (2 * self.rng.random() - 1)
         delay = (cfg.latency_ms + cfg.latency_per_token_ms * completion_tokens) * jitter / 1000
         if delay > 0:
@@ -332,14 +362,7 @@ class Simulator:
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": finish,
-                        "logprobs": None,
-                    }
-                ],
+                "choices": choices,
                 "usage": {
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion_tokens,
@@ -348,6 +371,15 @@ class Simulator:
             },
             headers=headers,
         )
+
+    def _refused(self, request: web.Request, messages: list[Any]) -> web.Response | None:
+        """A 400 for a prompt with the fail marker, or one quoting the key (answers.rejection)."""
+        got = request.headers.get("api-key") or request.headers.get("Authorization", "")
+        message = rejection(self.config, messages, got.removeprefix("Bearer ").strip(), self.rng)
+        if message is None:
+            return None
+        self.counts["rejected_400"] += 1
+        return _error(400, message, "invalid_request_error", None)
 
     def _draw_fault(self) -> str | None:
         cfg = self.config

@@ -174,6 +174,48 @@ class WarehouseSession(abc.ABC):
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         """Up to `limit` table names of a dataset (schema), sorted; an error if it is missing."""
 
+    @abc.abstractmethod
+    def partition_summary(self, output: str, partition_key: str) -> dict[str, Any]:
+        """The partition as the output table holds it: rows_ok, rows_failed, rows_total,
+        prompt_tokens, completion_tokens, cost_usd (None when a priced row has no cost) and
+        errors (the top error classes -> rows)."""
+
+
+SUMMARY_TOP_ERRORS = 5
+
+
+def partition_summary_sql(table_sql: str, param: str) -> tuple[str, str]:
+    """(totals, top errors) queries of one partition, in SQL both DuckDB and BigQuery run;
+    `param` is the dialect's placeholder for the partition key."""
+    totals = (
+        "SELECT SUM(CASE WHEN status = 'ok' THEN 1 ELSE 0 END), "
+        "SUM(CASE WHEN status = 'ok' THEN 0 ELSE 1 END), COUNT(*), "
+        "SUM(prompt_tokens), SUM(completion_tokens), SUM(cost_usd), "
+        "SUM(CASE WHEN cost_usd IS NULL AND prompt_tokens IS NOT NULL THEN 1 ELSE 0 END) "
+        f"FROM {table_sql} WHERE partition_key = {param}"
+    )
+    errors = (
+        f"SELECT error_class, COUNT(*) AS n FROM {table_sql} "
+        f"WHERE partition_key = {param} AND status <> 'ok' "
+        f"GROUP BY error_class ORDER BY n DESC, error_class LIMIT {SUMMARY_TOP_ERRORS}"
+    )
+    return totals, errors
+
+
+def partition_summary_dict(
+    totals: Sequence[Any], errors: Sequence[Sequence[Any]]
+) -> dict[str, Any]:
+    ok, failed, total, prompt, completion, cost, unpriced = totals
+    return {
+        "rows_ok": int(ok or 0),
+        "rows_failed": int(failed or 0),
+        "rows_total": int(total or 0),
+        "prompt_tokens": int(prompt or 0),
+        "completion_tokens": int(completion or 0),
+        "cost_usd": None if unpriced else float(cost or 0.0),
+        "errors": {str(cls or "unknown"): int(n) for cls, n in errors},
+    }
+
 
 class Warehouse(abc.ABC):
     """A resource that can open a WarehouseSession."""

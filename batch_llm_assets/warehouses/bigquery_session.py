@@ -34,6 +34,8 @@ from .base import (
     WarehouseSession,
     check_identifier,
     check_table,
+    partition_summary_dict,
+    partition_summary_sql,
     utc_days,
     utc_window,
 )
@@ -400,6 +402,12 @@ class BigQuerySession(WarehouseSession):
             [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)],
         )
         return count
+
+    def partition_summary(self, output: str, partition_key: str) -> dict[str, Any]:
+        totals_sql, errors_sql = partition_summary_sql(_qt(output), "@partition_key")
+        param = [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)]
+        [totals] = self._rows(totals_sql, param)
+        return partition_summary_dict(totals, self._rows(errors_sql, param))
 
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         """The first `limit` table names of 'dataset' or 'project.dataset', sorted.

@@ -25,6 +25,8 @@ from .base import (
     WarehouseSession,
     check_identifier,
     check_table,
+    partition_summary_dict,
+    partition_summary_sql,
     utc_days,
     utc_window,
 )
@@ -291,6 +293,13 @@ class DuckDBSession(WarehouseSession):
         return self.conn.execute(
             f"SELECT count(*) FROM {_qt(table)} WHERE partition_key = ?", [partition_key]
         ).fetchone()[0]
+
+    def partition_summary(self, output: str, partition_key: str) -> dict[str, Any]:
+        totals_sql, errors_sql = partition_summary_sql(_qt(output), "?")
+        with self._lock:
+            totals = self.conn.execute(totals_sql, [partition_key]).fetchone()
+            errors = self.conn.execute(errors_sql, [partition_key]).fetchall()
+        return partition_summary_dict(totals, errors)
 
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         check_identifier(dataset, "dataset (schema)")

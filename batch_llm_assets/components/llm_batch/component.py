@@ -12,7 +12,7 @@
       partitions: {type: daily, start_date: "2026-11-01", end_date: "2026-11-11"}
       schedule: {hour_of_day: 1}
 
-The component only wraps the Python builders (build_llm_batch_asset, build_llm_batch_checks,
+The component only wraps the Python builders (build_llm_batch_asset, with its checks,
 build_latest_partition_schedule, build_new_input_tables_sensor, build_run_notification_sensors),
 so YAML and Python declare exactly the same definitions. Everything is checked when the code
 location loads, and every error names the attribute it is about, e.g.
@@ -45,7 +45,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from ...assets.checks import build_llm_batch_checks
+from ...assets.checks import DEFAULT_WARN_FAILED_FRACTION
 from ...assets.factory import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_MAX_FAILED_FRACTION,
@@ -306,8 +306,13 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     )
     max_failed_fraction: float = Field(
         default=DEFAULT_MAX_FAILED_FRACTION,
-        description="Fraction (0-1) of a partition's rows that may fail before the run fails "
-        "(and the failed_fraction check's threshold).",
+        description="Fraction (0-1) of a partition's input rows that may have failed (in the "
+        "output table) before the run fails.",
+    )
+    warn_failed_fraction: float = Field(
+        default=DEFAULT_WARN_FAILED_FRACTION,
+        description="Threshold (0-1) of the failed_fraction check (severity WARN): lower than "
+        "max_failed_fraction, so it flags a partition that did not fail its run.",
     )
     chunk_rows: int = Field(
         default=DEFAULT_CHUNK_ROWS, description="Rows read and written per chunk (>= 1)."
@@ -326,7 +331,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     )
     checks: bool = Field(
         default=True,
-        description="Add the asset checks failed_fraction and row_count_matches_input.",
+        description="Report the asset checks failed_fraction and row_count_matches_input with "
+        "every materialisation, computed from that partition's rows.",
     )
     schedule: ScheduleConfig | None = Field(
         default=None,
@@ -385,6 +391,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
         self._check_params()
         if not 0 <= self.max_failed_fraction <= 1:
             _fail("max_failed_fraction", f"must be within [0, 1], got {self.max_failed_fraction}")
+        if not 0 <= self.warn_failed_fraction <= 1:
+            _fail("warn_failed_fraction", f"must be within [0, 1], got {self.warn_failed_fraction}")
         if self.chunk_rows < 1:
             _fail("chunk_rows", f"must be >= 1, got {self.chunk_rows}")
         for key in ("llm_resource_key", "warehouse_resource_key"):
@@ -562,6 +570,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
                 params=self.params,
                 partitions_def=self.partitions_def(),
                 max_failed_fraction=self.max_failed_fraction,
+                checks=self.checks,
+                warn_failed_fraction=self.warn_failed_fraction,
                 chunk_rows=self.chunk_rows,
                 llm_resource_key=self.llm_resource_key,
                 warehouse_resource_key=self.warehouse_resource_key,
@@ -575,11 +585,6 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         asset = self.build_asset()
-        checks = (
-            build_llm_batch_checks(asset, max_failed_fraction=self.max_failed_fraction)
-            if self.checks
-            else []
-        )
         schedules: list[dg.ScheduleDefinition] = []
         sensors: list[dg.SensorDefinition] = []
         if self.schedule is not None:
@@ -618,7 +623,6 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
             sensors.extend(self._notification_sensors())
         return dg.Definitions(
             assets=[asset],
-            asset_checks=checks,
             jobs=[job],
             schedules=schedules,
             sensors=sensors,
