@@ -162,9 +162,7 @@ def test_new_output_columns_are_added_and_changed_types_refused(con):
     s = DuckDBSession(con)
     s.ensure_output(output_table("out"), SRC)
     s.write_results(output_table("out"), [result_row(1, "a", response="r")])
-    grown = OutputTable(
-        "out", (*OUTPUT_COLUMNS, ("label", "string"), ("score", "float"))
-    )
+    grown = OutputTable("out", (*OUTPUT_COLUMNS, ("label", "string"), ("score", "float")))
     s.ensure_output(grown, SRC)
     types = dict(
         con.execute(
