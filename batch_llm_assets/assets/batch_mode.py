@@ -1,0 +1,471 @@
+"""Batch mode: one partition's pending rows through the provider's Batch API, exactly once.
+
+The order of durable steps makes a killed run safe to relaunch:
+1. upload the input file; 2. record the file in the state table (state `uploaded`, with the
+rows' request identities); 3. create the batch with `metadata.bla_intent` = the record's id;
+4. mark the record `submitted` with the batch id; 5. when the batch ends, write its lines to the
+output table; 6. mark the record `collected`.
+A relaunch finds an `uploaded` record whose batch may exist (a kill between 3 and 4): it lists
+the provider's batches for that intent and adopts the batch, or creates it if none exists. Rows
+of `uploaded`/`submitted` records are never sent again; rows a batch did not reach (expired,
+cancelled) go back to pending and are sent in a new batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import dagster as dg
+
+from ..engine import errors as E
+from ..engine.batch_api import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_FILE_REQUESTS,
+    TERMINAL,
+    BatchClient,
+    BatchLine,
+    LineResult,
+    parse_output_line,
+    split_files,
+)
+from ..engine.engine import ChatResult
+from ..engine.tokens import count_prompt_tokens, requested_max_tokens
+from ..resources.llm import LLMResource
+from ..warehouses.base import SliceFilter, Warehouse, WarehouseSession, check_table
+from .metadata import build_metadata
+from .pricing import cost_usd, price_for
+from .runner import RunSpec, RunStats, check_failures, request_hash
+
+BATCH_PRICE_FACTOR = 0.5  # OpenAI / Azure batch list price; genai-prices will give it per model
+OPEN_STATES = ("uploaded", "submitted")
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How batch mode splits, queues and waits. Keyword-built by the factory and the component."""
+
+    wait: bool = True
+    max_file_requests: int = DEFAULT_MAX_FILE_REQUESTS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    enqueued_token_limit: int | None = None
+    poll_first_s: float = 2.0
+    poll_max_s: float = 300.0
+    price_factor: float = BATCH_PRICE_FACTOR
+
+    def __post_init__(self) -> None:
+        for name in ("max_file_requests", "max_file_bytes", "poll_first_s", "poll_max_s"):
+            if not getattr(self, name) > 0:
+                raise E.BatchLLMError(description=f"batch {name} must be > 0")
+        if self.enqueued_token_limit is not None and self.enqueued_token_limit < 1:
+            raise E.BatchLLMError(description="batch enqueued_token_limit must be >= 1 or None")
+        if not 0 <= self.price_factor <= 1:
+            raise E.BatchLLMError(description="batch price_factor must be within [0, 1]")
+
+
+def state_table_for(output: str) -> str:
+    """The state table beside the output table: `<output>__bla_batches`."""
+    parts = check_table(output)
+    return ".".join([*parts[:-1], parts[-1] + "__bla_batches"])
+
+
+def custom_id(row_id: Any, rhash: str) -> str:
+    """A row's identity in a batch: its id and request hash (the same work, the same id)."""
+    return hashlib.sha256(json.dumps([str(row_id), rhash]).encode()).hexdigest()[:40]
+
+
+@dataclass
+class BatchStats(RunStats):
+    batch_ids: list[str] = field(default_factory=list)
+    batches_submitted: int = 0
+    batches_open: int = 0
+    queue_s: list[float] = field(default_factory=list)
+    queued_rows: int = 0
+
+
+class BatchPartitionRun:
+    """One partition in batch mode: collect what finished, submit what is pending, maybe wait."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        llm: LLMResource,
+        session: WarehouseSession,
+        where: SliceFilter,
+        partition_key: str,
+        log: Any,
+        *,
+        asset: str,
+        settings: BatchSettings,
+        run_id: str = "",
+    ) -> None:
+        self.spec, self.llm, self.db, self.where = spec, llm, session, where
+        self.partition_key, self.log, self.asset, self.s = partition_key, log, asset, settings
+        self.run_id = run_id
+        engine = llm.engine_settings(model=spec.model, params=spec.params)
+        self.model, self.params = engine.model, engine.params
+        self.max_tokens = requested_max_tokens(self.params, engine.default_max_tokens)
+        self.window = engine.context_window
+        self.state_table = state_table_for(spec.output.name)
+        price = price_for(
+            self.model,
+            input_override=llm.price_input_per_1m,
+            output_override=llm.price_output_per_1m,
+        )
+        self.price = (
+            None
+            if price is None
+            else (price[0] * settings.price_factor, price[1] * settings.price_factor)
+        )
+        self.stats = BatchStats(cost_usd=0.0 if self.price is not None else None)
+        self.finalized: set[str] = set()  # rows written by this run: not sent again by it
+        self._provider_full = False
+        self._items: dict[str, tuple[Any, str]] = {}
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> BatchStats:
+        started = time.monotonic()
+        self.preflight()
+        asyncio.run(self._run())
+        self.stats.wall_s = time.monotonic() - started
+        return self.stats
+
+    def preflight(self) -> None:
+        src = self.spec.source
+        self.db.check_source(src)
+        rows, dups, null_ids = self.db.slice_stats(src, self.where)
+        if dups or null_ids:
+            raise E.BatchLLMError(
+                description=f"{src.table!r} partition {self.partition_key!r} has duplicate "
+                f"(e.g. {dups}) or {null_ids} NULL ids in {src.id_column!r}: results are keyed "
+                "by id, so nothing was sent."
+            )
+        self.stats.rows_in = rows
+        self.db.ensure_output(self.spec.output, src)
+        self.db.ensure_batch_state(self.state_table)
+
+    async def _run(self) -> None:
+        async with BatchClient(
+            base_url=self.llm.base_url, api_key=self.llm.api_key, api_version=self.llm.api_version
+        ) as client:
+            self.client = client
+            delay = self.s.poll_first_s
+            while True:
+                self.stats.queued_rows = 0
+                states = await self._states()
+                await self._recover(states)
+                open_ = await self._refresh([s for s in states if s["state"] == "submitted"])
+                pending = await asyncio.to_thread(self._pending)
+                await self._submit(pending, open_)
+                open_ = [s for s in await self._states() if s["state"] in OPEN_STATES]
+                self.stats.batches_open = len(open_)
+                if not self.s.wait or not (open_ or self.stats.queued_rows):
+                    return
+                await asyncio.sleep(delay)
+                delay = min(self.s.poll_max_s, delay * 1.5)
+                self._provider_full = False  # the provider's queue may have room again
+
+    async def _states(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(
+            self.db.batch_states, self.state_table, self.asset, self.partition_key
+        )
+
+    async def _put(self, record: dict[str, Any], **changes: Any) -> None:
+        record.update(changes, updated_at=datetime.now(UTC))
+        await asyncio.to_thread(self.db.put_batch_state, self.state_table, record)
+
+    async def _recover(self, states: list[dict[str, Any]]) -> None:
+        """Uploaded but not known as submitted: adopt the batch the provider has, or create it."""
+        for record in (s for s in states if s["state"] == "uploaded"):
+            batch = await self.client.find("bla_intent", record["intent_id"])
+            if batch is None:
+                batch = await self.client.create(record["file_id"], self._metadata(record))
+            else:
+                self.log.info(f"partition {self.partition_key}: adopted batch {batch['id']}")
+            await self._put(
+                record, batch_id=batch["id"], state="submitted", provider_status=batch["status"]
+            )
+
+    async def _refresh(self, submitted: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Collect the batches that ended; log progress of the others; return those."""
+        still_open = []
+        for record in submitted:
+            batch = await self.client.retrieve(record["batch_id"])
+            counts = batch.get("request_counts") or {}
+            age = time.time() - float(batch.get("created_at") or time.time())
+            if batch["status"] in TERMINAL:
+                ended = next(
+                    (
+                        batch.get(f"{k}_at")
+                        for k in ("completed", "expired", "cancelled", "failed")
+                        if batch.get(f"{k}_at")
+                    ),
+                    None,
+                )
+                queued = (ended or time.time()) - float(batch.get("created_at") or 0)
+                await self._collect(record, batch, queued)
+                continue
+            self.log.info(
+                f"partition {self.partition_key}: batch {batch['id']} {batch['status']}, "
+                f"{counts.get('completed', 0)} completed / {counts.get('failed', 0)} failed / "
+                f"{counts.get('total', record['n_requests'])} total, in queue {age:.0f} s"
+            )
+            still_open.append(record)
+        return still_open
+
+    # -- pending rows and submission ---------------------------------------------------------
+    def _pending(self) -> list[BatchLine]:
+        """Rows not ok with the same request, not in an open batch, not written by this run."""
+        src = self.spec.source
+        in_flight: set[str] = set()
+        for record in self.db.batch_states(self.state_table, self.asset, self.partition_key):
+            if record["state"] in OPEN_STATES:
+                in_flight.update(json.loads(record["items"]))
+        lines: list[BatchLine] = []
+        failed: list[dict[str, Any]] = []
+        self._items = {}
+        for chunk in self.db.read_slice(src, self.where, self.spec.chunk_rows):
+            ids = [r[src.id_column] for r in chunk]
+            done = self.db.done_hashes(self.spec.output, self.partition_key, ids)
+            for row in chunk:
+                rid = row[src.id_column]
+                messages, problem = self.spec.prompt.render(row)
+                if problem is not None:
+                    failed.append(
+                        self._failed_row(rid, None, problem[0], f"{problem[1]}; not sent")
+                    )
+                    continue
+                body = {**self.params, "model": self.model, "messages": messages}
+                if "max_tokens" not in body and "max_completion_tokens" not in body:
+                    body["max_tokens"] = self.max_tokens
+                rhash = request_hash(messages, self.model, self.params)
+                cid = custom_id(rid, rhash)
+                if done.get(rid) == rhash:
+                    self.stats.skipped += 1
+                    continue
+                if cid in in_flight or cid in self.finalized:
+                    continue
+                tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
+                if self.window and tokens > self.window:
+                    failed.append(
+                        self._failed_row(
+                            rid,
+                            rhash,
+                            E.CONTEXT_LENGTH,
+                            f"prompt + max_tokens is about {tokens} tokens, over the model's "
+                            f"context window of {self.window}; not sent",
+                        )
+                    )
+                    continue
+                self._items[cid] = (rid, rhash)
+                lines.append(BatchLine(cid, body, tokens))
+        for i in range(0, len(failed), self.spec.chunk_rows):
+            self.db.write_results(self.spec.output, failed[i : i + self.spec.chunk_rows])
+        return lines
+
+    async def _submit(self, pending: list[BatchLine], open_: list[dict[str, Any]]) -> None:
+        limit = self.s.enqueued_token_limit
+        files = list(
+            split_files(
+                pending,
+                max_requests=self.s.max_file_requests,
+                max_bytes=self.s.max_file_bytes,
+                max_tokens=limit,
+            )
+        )
+        for n, group in enumerate(files):
+            tokens = sum(line.tokens for line, _ in group)
+            if limit is not None or self._provider_full:
+                enqueued = await asyncio.to_thread(self._enqueued_tokens)
+                if self._provider_full or enqueued + tokens > (limit or 0):
+                    left = sum(len(g) for g in files[n:])
+                    self.stats.queued_rows = left
+                    self.log.info(
+                        f"partition {self.partition_key}: {left} requests wait: {enqueued} "
+                        f"tokens already enqueued for {self.model} (limit {limit})"
+                    )
+                    return
+            await self._submit_file(group, tokens)
+
+    def _enqueued_tokens(self) -> int:
+        """Tokens of this asset's open batches for the model, across all its partitions."""
+        return sum(
+            int(r["tokens"] or 0)
+            for r in self.db.batch_states(self.state_table, self.asset)
+            if r["state"] in OPEN_STATES and r["model"] == self.model
+        )
+
+    async def _submit_file(self, group: list[tuple[BatchLine, bytes]], tokens: int) -> None:
+        file_id = await self.client.upload(b"".join(data for _, data in group))
+        now = datetime.now(UTC)
+        record: dict[str, Any] = {
+            "asset": self.asset,
+            "partition_key": self.partition_key,
+            "intent_id": uuid.uuid4().hex,
+            "file_id": file_id,
+            "model": self.model,
+            "state": "uploaded",
+            "items": json.dumps(
+                {ln.custom_id: list(self._items[ln.custom_id]) for ln, _ in group}, default=str
+            ),
+            "n_requests": len(group),
+            "tokens": tokens,
+            "created_at": now,
+        }
+        await self._put(record)  # durable before the provider hears of the batch
+        batch = await self.client.create(file_id, self._metadata(record))
+        await self._put(
+            record, batch_id=batch["id"], state="submitted", provider_status=batch["status"]
+        )
+        self.stats.batches_submitted += 1
+        self.stats.batch_ids.append(batch["id"])
+        self.log.info(
+            f"partition {self.partition_key}: submitted batch {batch['id']} "
+            f"({len(group)} requests, about {tokens} tokens)"
+        )
+
+    def _metadata(self, record: dict[str, Any]) -> dict[str, str]:
+        return {
+            "bla_intent": record["intent_id"],
+            "bla_run": self.run_id[:64],
+            "bla_asset": self.asset[:64],
+            "bla_partition": self.partition_key[:64],
+        }
+
+    # -- collecting --------------------------------------------------------------------------
+    async def _collect(self, record: dict[str, Any], batch: dict[str, Any], queued: float) -> None:
+        items: dict[str, list[Any]] = json.loads(record["items"])
+        status = batch["status"]
+        rows: list[dict[str, Any]] = []
+        secret = self.llm.api_key
+        if status == "failed":
+            errors = (batch.get("errors") or {}).get("data") or [{}]
+            code = str(errors[0].get("code") or "batch_failed")
+            if code == "token_limit_exceeded":  # the provider's queue is full: send them later
+                self._provider_full = True
+            else:
+                reason = E.redact(str(errors[0].get("message") or code), secret)
+                rows = [
+                    self._failed_row(i, h, code, f"batch {batch['id']} failed: {reason}")
+                    for i, h in items.values()
+                ]
+        else:
+            records = await self.client.lines(batch.get("output_file_id"))
+            records += await self.client.lines(batch.get("error_file_id"))
+            for rec in records:
+                line = parse_output_line(rec, secret)
+                if line.custom_id in items and line.processed:
+                    rid, rhash = items[line.custom_id]
+                    rows.append(self._line_row(rid, rhash, line))
+        for i in range(0, len(rows), self.spec.chunk_rows):
+            chunk = rows[i : i + self.spec.chunk_rows]
+            await asyncio.to_thread(self.db.write_results, self.spec.output, chunk)
+        self.finalized.update(custom_id(r["id"], r["request_hash"]) for r in rows)
+        await self._put(record, state="collected", provider_status=status)
+        if batch["id"] not in self.stats.batch_ids:
+            self.stats.batch_ids.append(batch["id"])
+        self.stats.queue_s.append(queued)
+        back = len(items) - len(rows)
+        self.log.info(
+            f"partition {self.partition_key}: batch {batch['id']} {status} after {queued:.0f} s "
+            f"in queue: {len(rows)} rows written" + (f", {back} go back to pending" if back else "")
+        )
+
+    def _line_row(self, rid: Any, rhash: str, line: LineResult) -> dict[str, Any]:
+        resp = line.response
+        if resp is None:
+            return self._failed_row(
+                rid, rhash, line.error_class or E.SERVER_ERROR, line.error_message or ""
+            )
+        result = ChatResult(
+            rid,
+            "ok",
+            response=resp.content,
+            finish_reason=resp.finish_reason,
+            prompt_tokens=resp.prompt_tokens,
+            completion_tokens=resp.completion_tokens,
+            attempts=1,
+        )
+        return self._row(result, rhash)
+
+    def _failed_row(self, rid: Any, rhash: str | None, error_class: str, message: str):
+        return self._row(
+            ChatResult(rid, "failed", error_class=error_class, error_message=message, attempts=1),
+            rhash,
+        )
+
+    def _row(self, r: ChatResult, rhash: str | None) -> dict[str, Any]:
+        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
+        self.stats.add(r, cost)
+        return {
+            "id": r.id,
+            "partition_key": self.partition_key,
+            "response": r.response,
+            "status": r.status,
+            "error_class": r.error_class,
+            "error": r.error_message,
+            "model": self.model,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cost_usd": cost,
+            "latency_ms": None,
+            "attempts": r.attempts,
+            "request_hash": rhash,
+            "completed_at": datetime.now(UTC),
+        }
+
+
+def materialize_batch_partition(
+    context: dg.AssetExecutionContext,
+    spec: RunSpec,
+    llm: LLMResource,
+    warehouse: Warehouse,
+    where: SliceFilter,
+    partition_key: str,
+    *,
+    settings: BatchSettings,
+    max_failed_fraction: float,
+) -> dg.MaterializeResult:
+    """The asset body in batch mode: run the partition, then metadata and the failure check."""
+    output = spec.output.name
+    with warehouse.session() as session:
+        run = BatchPartitionRun(
+            spec,
+            llm,
+            session,
+            where,
+            partition_key,
+            context.log,
+            asset=context.asset_key.to_user_string(),
+            settings=settings,
+            run_id=context.run_id,
+        )
+        try:
+            stats = run.run()
+            row_count = session.count_output(output, partition_key)
+        except E.BatchLLMError as exc:
+            raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
+    metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
+    metadata.update(batch_metadata(stats, settings))
+    check_failures(stats, max_failed_fraction, metadata)
+    return dg.MaterializeResult(metadata=metadata)
+
+
+def batch_metadata(stats: BatchStats, settings: BatchSettings) -> dict[str, Any]:
+    """What batch mode adds to the live metadata: its batches and how long they queued."""
+    queue = sorted(stats.queue_s)
+    return {
+        "mode": dg.MetadataValue.text("batch"),
+        "batch_ids": dg.MetadataValue.json(stats.batch_ids),
+        "batches_submitted": dg.MetadataValue.int(stats.batches_submitted),
+        "batches_open": dg.MetadataValue.int(stats.batches_open),
+        "rows_queued": dg.MetadataValue.int(stats.queued_rows),
+        "batch_queue_max_s": dg.MetadataValue.float(round(queue[-1], 1) if queue else 0.0),
+        "batch_price_factor": dg.MetadataValue.float(settings.price_factor),
+    }
