@@ -4,6 +4,11 @@ with DuckDB files and real `dagster asset materialize` subprocesses; counted at 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 
 import dagster as dg
@@ -119,3 +124,170 @@ def test_batch_partition_is_written_at_half_price_and_rerun_sends_nothing(bsim, 
     again = materialize(asset(), bsim, db)
     assert again.success and metadata(again)["rows_skipped"] == PER_DAY
     assert bsim.stats()["batches_created"] == 1
+
+
+_DEFS = """
+import dagster as dg
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+from batch_llm_assets.assets.batch_mode import BatchSettings
+
+sentiment = build_llm_batch_asset(
+    name="sentiment",
+    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
+    prompt=Prompt(template={template!r}),
+    output="news_sentiment",
+    params={{"max_tokens": 5}},
+    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04"),
+    mode="batch",
+    batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5),
+)
+defs = dg.Definitions(assets=[sentiment], resources={{
+    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini"),
+    "warehouse": DuckDBWarehouse(database="{db}"),
+}})
+"""
+
+
+def _command(tmp_path, sim, db):
+    defs = tmp_path / "defs.py"
+    defs.write_text(_DEFS.format(template=PROMPT.template, url=sim.url, key=SIM_KEY, db=db))
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-f",
+        str(defs),
+        "--select",
+        "sentiment",
+        "--partition",
+        "2026-11-01",
+    ]
+    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
+
+
+def test_sigkill_while_waiting_then_rerun_resumes_without_resubmitting(bsim, db, tmp_path):
+    batch_config(bsim, completion_s=120.0)  # the batch stays in progress while the run polls
+    cmd, env = _command(tmp_path, bsim, db)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 120
+    while bsim.stats().get("batches_retrieved", 0) < 2:  # submitted, and polling
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert bsim.stats()["batches_created"] == 1
+    batch_config(bsim, completion_s=0.5)  # the provider finishes the batch meanwhile
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-2000:]
+    stats = bsim.stats()
+    assert (stats["files_uploaded"], stats["batches_created"]) == (1, 1)
+    assert stats["batch_lines_submitted"] == PER_DAY == stats["batch_lines_processed"]
+    assert query(
+        db, "SELECT count(*), count(DISTINCT id), min(status), max(status) FROM news_sentiment"
+    ) == [(PER_DAY, PER_DAY, "ok", "ok")]
+    assert query(db, f"SELECT state FROM {STATE}") == [("collected",)]
+
+
+def test_orphan_batch_of_a_run_killed_before_recording_it_is_adopted(bsim, db):
+    assert materialize(asset(wait=False), bsim, db).success
+    # The state a kill leaves between "provider accepted the batch" and "we recorded its id".
+    con = __import__("duckdb").connect(db)
+    con.execute(f"UPDATE {STATE} SET state = 'uploaded', batch_id = NULL")
+    con.close()
+    result = materialize(asset(), bsim, db)
+    assert result.success
+    stats = bsim.stats()
+    assert (stats["batches_created"], stats["batch_lines_submitted"]) == (1, PER_DAY)
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_expired_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
+    batch_config(bsim, expire_fraction=0.5)
+    assert materialize(asset(wait=False), bsim, db).success
+    time.sleep(0.6)
+    expired = materialize(asset(wait=False), bsim, db)  # collects half, resubmits the rest
+    assert expired.success
+    assert statuses(db) == {"ok": PER_DAY // 2}
+    assert metadata(expired)["batches_submitted"] == 1
+    batch_config(bsim, expire_fraction=None)
+    assert materialize(asset(), bsim, db).success
+    stats = bsim.stats()
+    assert stats["batches_created"] == 2
+    assert stats["batch_lines_submitted"] == PER_DAY + PER_DAY // 2
+    assert stats["batch_lines_processed"] == PER_DAY  # no row answered (and paid) twice
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_error_file_lines_become_failed_rows_and_a_rerun_resends_only_them(bsim, db):
+    batch_config(bsim, line_fail=0.3)
+    result = materialize(asset(), bsim, db)
+    failed = bsim.stats()["batch_lines_failed"]
+    assert 0 < failed < PER_DAY
+    assert not result.success  # over max_failed_fraction, after every row was written
+    assert statuses(db) == {"ok": PER_DAY - failed, "failed": failed}
+    reasons = query(
+        db, "SELECT DISTINCT error_class, error FROM news_sentiment WHERE status = 'failed'"
+    )
+    assert reasons == [
+        ("server_error", "HTTP 500: The server had an error while processing your request.")
+    ]
+    batch_config(bsim, line_fail=0.0)
+    assert materialize(asset(), bsim, db).success
+    assert bsim.stats()["batch_lines_submitted"] == PER_DAY + failed
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_rows_are_split_into_files_within_the_per_file_limit(bsim, db):
+    result = materialize(asset(max_file_requests=8), bsim, db)
+    assert result.success
+    stats = bsim.stats()
+    assert stats["files_uploaded"] == stats["batches_created"] == 4  # 8 + 8 + 8 + 6
+    assert len(metadata(result)["batch_ids"]) == 4
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_enqueued_token_limit_queues_submissions_instead_of_being_refused(bsim, db):
+    limit = 500
+    batch_config(bsim, enqueued_token_limit=limit)  # the provider refuses anything over it
+    result = materialize(asset(enqueued_token_limit=limit), bsim, db)
+    assert result.success
+    stats = bsim.stats()
+    assert stats["batches_created"] >= 2 and stats.get("batches_rejected", 0) == 0
+    assert statuses(db) == {"ok": PER_DAY}
+    tokens = query(db, f"SELECT max(tokens) FROM {STATE}")[0][0]
+    assert tokens <= limit
+
+
+def test_sensor_requests_the_partition_once_its_batches_complete(bsim, db):
+    from batch_llm_assets.sensors import build_batch_completion_sensor
+
+    a = asset(wait=False)
+    sensor = build_batch_completion_sensor(asset=a)
+    batch_config(bsim, completion_s=60.0)
+    submitted = materialize(a, bsim, db)
+    assert submitted.success and metadata(submitted)["batches_open"] == 1
+    assert statuses(db) == {}
+
+    def tick():
+        with (
+            dg.instance_for_test() as instance,
+            dg.build_sensor_context(instance=instance, resources=resources(bsim, db)) as ctx,
+        ):
+            return sensor(ctx)
+
+    assert isinstance(tick(), dg.SkipReason)  # still in progress
+    batch_config(bsim, completion_s=0.1)
+    result = tick()
+    [request] = result.run_requests
+    assert request.partition_key == "2026-11-01"
+    collected = materialize(a, bsim, db)  # what the requested run does: collect only
+    assert collected.success and metadata(collected)["batches_submitted"] == 0
+    assert statuses(db) == {"ok": PER_DAY}
+    assert bsim.stats()["batches_created"] == 1
+    assert isinstance(tick(), dg.SkipReason)  # nothing open any more

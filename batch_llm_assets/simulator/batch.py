@@ -4,7 +4,8 @@ A batch is finished lazily: the first retrieve or list after `completion_s` answ
 (with the chat route's deterministic answers), so nothing runs in the background and a client
 that dies while waiting finds its batch done when it comes back, as with a real provider.
 Counters land in the simulator's /stats: files_uploaded, batches_created, batch_lines_submitted,
-batch_lines_processed, batches_cancelled, so tests can count resubmissions.
+batch_lines_processed, batch_lines_failed, batches_retrieved, batches_rejected,
+batches_cancelled, so tests can count resubmissions.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ class BatchAPI:
         batch = self.batches.get(request.match_info["batch_id"])
         if batch is None:
             return _error(404, "No such batch", "not_found")
+        self.sim.counts["batches_retrieved"] += 1
         self._finish(batch)
         return web.json_response(batch.body())
 
