@@ -26,6 +26,7 @@ from batch_llm_assets.demo_data import create_demo_table
 
 from .conftest import SIM_KEY
 from .conftest import duckdb_query as query
+from .test_bigquery import bq, bq_endpoint, dataset  # noqa: F401  (fixtures)
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
 PROMPT = Prompt(
@@ -291,3 +292,42 @@ def test_sensor_requests_the_partition_once_its_batches_complete(bsim, db):
     assert statuses(db) == {"ok": PER_DAY}
     assert bsim.stats()["batches_created"] == 1
     assert isinstance(tick(), dg.SkipReason)  # nothing open any more
+
+
+@pytest.mark.bigquery
+def test_batch_mode_on_bigquery_records_state_and_resumes(bsim, bq_endpoint, bq, dataset):  # noqa: F811
+    from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
+
+    from .test_bigquery import PER_DAY as BQ_PER_DAY
+    from .test_bigquery import PROJECT
+    from .test_bigquery import query as bq_query
+
+    a = build_llm_batch_asset(
+        name="sentiment",
+        source=SourceTable(
+            table=f"{dataset}.news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=PROMPT,
+        output=f"{dataset}.news_sentiment",
+        params={"max_tokens": 5},
+        partitions_def=DAYS,
+        mode="batch",
+        batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5, wait=False),
+    )
+    res = {
+        "llm": LLMResource(base_url=bsim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
+        "warehouse": BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint),
+    }
+    run = lambda: dg.materialize([a], resources=res, partition_key="2026-11-01")  # noqa: E731
+    assert metadata(run())["batches_open"] == 1
+    state = f"`{dataset}`.`news_sentiment__bla_batches`"
+    assert bq_query(bq, f"SELECT state, n_requests FROM {state}") == [("submitted", BQ_PER_DAY)]
+    time.sleep(0.6)
+    assert metadata(run())["rows_ok"] == BQ_PER_DAY  # collects only
+    assert bq_query(bq, f"SELECT state, provider_status FROM {state}") == [
+        ("collected", "completed")
+    ]
+    assert bq_query(
+        bq, f"SELECT count(*) FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'"
+    ) == [(BQ_PER_DAY,)]
+    assert bsim.stats()["batches_created"] == 1
