@@ -18,11 +18,9 @@ import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-
-import dagster as dg
 
 from ..engine import errors as E
 from ..engine.batch_api import (
@@ -31,19 +29,15 @@ from ..engine.batch_api import (
     TERMINAL,
     BatchClient,
     BatchLine,
-    LineResult,
     parse_output_line,
     split_files,
 )
-from ..engine.engine import ChatResult
 from ..engine.tokens import count_prompt_tokens, requested_max_tokens
 from ..resources.llm import LLMResource
-from ..warehouses.base import SliceFilter, Warehouse, WarehouseSession, check_table
-from .metadata import build_metadata
-from .pricing import cost_usd, price_for
-from .runner import RunSpec, RunStats, check_failures, request_hash
+from ..warehouses.base import SliceFilter, WarehouseSession, check_table
+from .batch_results import BATCH_PRICE_FACTOR, BatchRows, BatchStats
+from .runner import RunSpec, request_hash
 
-BATCH_PRICE_FACTOR = 0.5  # OpenAI / Azure batch list price; genai-prices will give it per model
 OPEN_STATES = ("uploaded", "submitted")
 
 
@@ -80,15 +74,6 @@ def custom_id(row_id: Any, rhash: str) -> str:
     return hashlib.sha256(json.dumps([str(row_id), rhash]).encode()).hexdigest()[:40]
 
 
-@dataclass
-class BatchStats(RunStats):
-    batch_ids: list[str] = field(default_factory=list)
-    batches_submitted: int = 0
-    batches_open: int = 0
-    queue_s: list[float] = field(default_factory=list)
-    queued_rows: int = 0
-
-
 class BatchPartitionRun:
     """One partition in batch mode: collect what finished, submit what is pending, maybe wait."""
 
@@ -113,17 +98,8 @@ class BatchPartitionRun:
         self.max_tokens = requested_max_tokens(self.params, engine.default_max_tokens)
         self.window = engine.context_window
         self.state_table = state_table_for(spec.output.name)
-        price = price_for(
-            self.model,
-            input_override=llm.price_input_per_1m,
-            output_override=llm.price_output_per_1m,
-        )
-        self.price = (
-            None
-            if price is None
-            else (price[0] * settings.price_factor, price[1] * settings.price_factor)
-        )
-        self.stats = BatchStats(cost_usd=0.0 if self.price is not None else None)
+        self.rows = BatchRows(llm, self.model, partition_key, settings.price_factor)
+        self.stats = self.rows.stats
         self.finalized: set[str] = set()  # rows written by this run: not sent again by it
         self._provider_full = False
         self._items: dict[str, tuple[Any, str]] = {}
@@ -238,7 +214,7 @@ class BatchPartitionRun:
                 messages, problem = self.spec.prompt.render(row)
                 if problem is not None:
                     failed.append(
-                        self._failed_row(rid, None, problem[0], f"{problem[1]}; not sent")
+                        self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent")
                     )
                     continue
                 body = {**self.params, "model": self.model, "messages": messages}
@@ -254,7 +230,7 @@ class BatchPartitionRun:
                 tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
                 if self.window and tokens > self.window:
                     failed.append(
-                        self._failed_row(
+                        self.rows.failed(
                             rid,
                             rhash,
                             E.CONTEXT_LENGTH,
@@ -352,7 +328,7 @@ class BatchPartitionRun:
             else:
                 reason = E.redact(str(errors[0].get("message") or code), secret)
                 rows = [
-                    self._failed_row(i, h, code, f"batch {batch['id']} failed: {reason}")
+                    self.rows.failed(i, h, code, f"batch {batch['id']} failed: {reason}")
                     for i, h in items.values()
                 ]
         else:
@@ -362,7 +338,7 @@ class BatchPartitionRun:
                 line = parse_output_line(rec, secret)
                 if line.custom_id in items and line.processed:
                     rid, rhash = items[line.custom_id]
-                    rows.append(self._line_row(rid, rhash, line))
+                    rows.append(self.rows.line(rid, rhash, line))
         for i in range(0, len(rows), self.spec.chunk_rows):
             chunk = rows[i : i + self.spec.chunk_rows]
             await asyncio.to_thread(self.db.write_results, self.spec.output, chunk)
@@ -376,96 +352,3 @@ class BatchPartitionRun:
             f"partition {self.partition_key}: batch {batch['id']} {status} after {queued:.0f} s "
             f"in queue: {len(rows)} rows written" + (f", {back} go back to pending" if back else "")
         )
-
-    def _line_row(self, rid: Any, rhash: str, line: LineResult) -> dict[str, Any]:
-        resp = line.response
-        if resp is None:
-            return self._failed_row(
-                rid, rhash, line.error_class or E.SERVER_ERROR, line.error_message or ""
-            )
-        result = ChatResult(
-            rid,
-            "ok",
-            response=resp.content,
-            finish_reason=resp.finish_reason,
-            prompt_tokens=resp.prompt_tokens,
-            completion_tokens=resp.completion_tokens,
-            attempts=1,
-        )
-        return self._row(result, rhash)
-
-    def _failed_row(self, rid: Any, rhash: str | None, error_class: str, message: str):
-        return self._row(
-            ChatResult(rid, "failed", error_class=error_class, error_message=message, attempts=1),
-            rhash,
-        )
-
-    def _row(self, r: ChatResult, rhash: str | None) -> dict[str, Any]:
-        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
-        self.stats.add(r, cost)
-        return {
-            "id": r.id,
-            "partition_key": self.partition_key,
-            "response": r.response,
-            "status": r.status,
-            "error_class": r.error_class,
-            "error": r.error_message,
-            "model": self.model,
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "cost_usd": cost,
-            "latency_ms": None,
-            "attempts": r.attempts,
-            "request_hash": rhash,
-            "completed_at": datetime.now(UTC),
-        }
-
-
-def materialize_batch_partition(
-    context: dg.AssetExecutionContext,
-    spec: RunSpec,
-    llm: LLMResource,
-    warehouse: Warehouse,
-    where: SliceFilter,
-    partition_key: str,
-    *,
-    settings: BatchSettings,
-    max_failed_fraction: float,
-) -> dg.MaterializeResult:
-    """The asset body in batch mode: run the partition, then metadata and the failure check."""
-    output = spec.output.name
-    with warehouse.session() as session:
-        run = BatchPartitionRun(
-            spec,
-            llm,
-            session,
-            where,
-            partition_key,
-            context.log,
-            asset=context.asset_key.to_user_string(),
-            settings=settings,
-            run_id=context.run_id,
-        )
-        try:
-            stats = run.run()
-            row_count = session.count_output(output, partition_key)
-        except E.BatchLLMError as exc:
-            raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
-    metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
-    metadata.update(batch_metadata(stats, settings))
-    check_failures(stats, max_failed_fraction, metadata)
-    return dg.MaterializeResult(metadata=metadata)
-
-
-def batch_metadata(stats: BatchStats, settings: BatchSettings) -> dict[str, Any]:
-    """What batch mode adds to the live metadata: its batches and how long they queued."""
-    queue = sorted(stats.queue_s)
-    return {
-        "mode": dg.MetadataValue.text("batch"),
-        "batch_ids": dg.MetadataValue.json(stats.batch_ids),
-        "batches_submitted": dg.MetadataValue.int(stats.batches_submitted),
-        "batches_open": dg.MetadataValue.int(stats.batches_open),
-        "rows_queued": dg.MetadataValue.int(stats.queued_rows),
-        "batch_queue_max_s": dg.MetadataValue.float(round(queue[-1], 1) if queue else 0.0),
-        "batch_price_factor": dg.MetadataValue.float(settings.price_factor),
-    }

@@ -10,7 +10,8 @@ import dagster as dg
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
-from .batch_mode import BatchSettings, materialize_batch_partition
+from .batch_mode import BatchSettings
+from .batch_results import materialize_batch_partition
 from .metadata import build_metadata
 from .prompt import CompiledPrompt, Prompt
 from .runner import PartitionRun, RunSpec, check_failures
