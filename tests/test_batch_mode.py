@@ -27,6 +27,7 @@ from batch_llm_assets.demo_data import create_demo_table
 from .conftest import SIM_KEY
 from .conftest import duckdb_query as query
 from .test_bigquery import bq, bq_endpoint, dataset  # noqa: F401  (fixtures)
+from .test_component import load_attributes  # noqa: F401  (fixture)
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
 PROMPT = Prompt(
@@ -331,3 +332,31 @@ def test_batch_mode_on_bigquery_records_state_and_resumes(bsim, bq_endpoint, bq,
         bq, f"SELECT count(*) FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'"
     ) == [(BQ_PER_DAY,)]
     assert bsim.stats()["batches_created"] == 1
+
+
+def test_yaml_component_declares_batch_mode_and_its_completion_sensor(load_attributes):  # noqa: F811
+    from .test_component import GOOD
+
+    defs = load_attributes(GOOD | {"mode": "batch", "batch": {"wait": False}})
+    [a] = [x for x in defs.assets or [] if isinstance(x, dg.AssetsDefinition)]
+    assert a.metadata_by_key[a.key]["batch_llm/mode"] == "batch"
+    assert [s.name for s in defs.sensors or []] == ["headline_sentiment_batch_completion"]
+    waiting = load_attributes(GOOD | {"mode": "batch"})
+    assert not waiting.sensors  # the run itself waits: no sensor needed
+    bad = _config_error(load_attributes, {"batch": {"max_file_requests": 0}})
+    assert bad.startswith("batch: batch max_file_requests must be > 0"), bad
+    assert _config_error(load_attributes, {"mode": "offline"}).startswith("mode: Input should be")
+
+
+def _config_error(load, change):
+    from batch_llm_assets.components import LlmBatchConfigError
+
+    from .test_component import GOOD
+
+    with pytest.raises(Exception) as info:
+        load(GOOD | {"mode": "batch"} | change)
+    exc: BaseException | None = info.value
+    while exc is not None and not isinstance(exc, LlmBatchConfigError):
+        exc = exc.__cause__ or exc.__context__
+    assert exc is not None, f"no LlmBatchConfigError behind {info.value!r}"
+    return exc.description
