@@ -360,3 +360,43 @@ def _config_error(load, change):
         exc = exc.__cause__ or exc.__context__
     assert exc is not None, f"no LlmBatchConfigError behind {info.value!r}"
     return exc.description
+
+
+def test_split_files_keeps_each_file_within_requests_bytes_and_tokens():
+    from batch_llm_assets.engine.batch_api import BatchAPIError, BatchLine, split_files
+
+    lines = [BatchLine(f"r{i}", {"messages": [{"content": "x" * (10 * i)}]}, 10) for i in range(40)]
+    sizes = [len(line.encode()) for line in lines]
+    for limits in ({"max_requests": 7}, {"max_bytes": 4 * max(sizes)}, {"max_tokens": 55}):
+        files = list(split_files(lines, **({"max_requests": 1000, "max_bytes": 10**9} | limits)))
+        assert [line for f in files for line, _ in f] == lines  # all of them, in order, once
+        assert len(files) > 1
+        for f in files:
+            assert len(f) <= limits.get("max_requests", 1000)
+            assert sum(len(data) for _, data in f) <= limits.get("max_bytes", 10**9)
+            assert sum(line.tokens for line, _ in f) <= limits.get("max_tokens", 10**9)
+    with pytest.raises(BatchAPIError, match="over the per-file limit"):
+        list(split_files(lines, max_bytes=min(sizes) - 1))
+
+
+def test_azure_url_form_reaches_the_batch_routes(bsim, db):
+    res = resources(bsim, db)
+    res["llm"] = LLMResource(
+        base_url=bsim.root, api_key=SIM_KEY, model="gpt-4o-mini", api_version="2024-10-21"
+    )
+    assert dg.materialize([asset()], resources=res, partition_key="2026-11-01").success
+    assert statuses(db) == {"ok": PER_DAY}
+    assert bsim.stats()["batches_created"] == 1
+
+
+def test_a_wrong_key_fails_the_run_without_the_key_in_the_message(bsim, db):
+    res = resources(bsim, db)
+    res["llm"] = LLMResource(base_url=bsim.url, api_key="sk-wrong-0123456789", model="gpt-4o-mini")
+    result = dg.materialize(
+        [asset()], resources=res, partition_key="2026-11-01", raise_on_error=False
+    )
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    text = str(failure.event_specific_data.error.message)
+    assert "Incorrect API key" in text and "0123456789" not in text
+    assert bsim.stats().get("batches_created", 0) == 0

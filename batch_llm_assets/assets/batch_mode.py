@@ -102,6 +102,8 @@ class BatchPartitionRun:
         self.stats = self.rows.stats
         self.finalized: set[str] = set()  # rows written by this run: not sent again by it
         self._provider_full = False
+        self._rescan = True
+        self._queue: list[BatchLine] = []
         self._items: dict[str, tuple[Any, str]] = {}
 
     # -- the run ---------------------------------------------------------------------------
@@ -133,12 +135,13 @@ class BatchPartitionRun:
             self.client = client
             delay = self.s.poll_first_s
             while True:
-                self.stats.queued_rows = 0
                 states = await self._states()
                 await self._recover(states)
-                open_ = await self._refresh([s for s in states if s["state"] == "submitted"])
-                pending = await asyncio.to_thread(self._pending)
-                await self._submit(pending, open_)
+                await self._refresh([s for s in states if s["state"] == "submitted"])
+                if self._rescan:  # the slice is read again only when rows may be pending
+                    self._rescan = False
+                    self._queue = await asyncio.to_thread(self._pending)
+                await self._submit()
                 open_ = [s for s in await self._states() if s["state"] in OPEN_STATES]
                 self.stats.batches_open = len(open_)
                 if not self.s.wait or not (open_ or self.stats.queued_rows):
@@ -245,29 +248,31 @@ class BatchPartitionRun:
             self.db.write_results(self.spec.output, failed[i : i + self.spec.chunk_rows])
         return lines
 
-    async def _submit(self, pending: list[BatchLine], open_: list[dict[str, Any]]) -> None:
+    async def _submit(self) -> None:
+        """Submit the queue file by file; stop (and wait) at the enqueued-token limit."""
         limit = self.s.enqueued_token_limit
-        files = list(
-            split_files(
-                pending,
-                max_requests=self.s.max_file_requests,
-                max_bytes=self.s.max_file_bytes,
-                max_tokens=limit,
-            )
+        files = split_files(
+            self._queue,
+            max_requests=self.s.max_file_requests,
+            max_bytes=self.s.max_file_bytes,
+            max_tokens=limit,
         )
-        for n, group in enumerate(files):
+        sent = 0
+        for group in files:
             tokens = sum(line.tokens for line, _ in group)
             if limit is not None or self._provider_full:
                 enqueued = await asyncio.to_thread(self._enqueued_tokens)
                 if self._provider_full or enqueued + tokens > (limit or 0):
-                    left = sum(len(g) for g in files[n:])
-                    self.stats.queued_rows = left
                     self.log.info(
-                        f"partition {self.partition_key}: {left} requests wait: {enqueued} "
-                        f"tokens already enqueued for {self.model} (limit {limit})"
+                        f"partition {self.partition_key}: {len(self._queue) - sent} requests "
+                        f"wait: {enqueued} tokens already enqueued for {self.model} "
+                        f"(limit {limit})"
                     )
-                    return
+                    break
             await self._submit_file(group, tokens)
+            sent += len(group)
+        self._queue = self._queue[sent:]
+        self.stats.queued_rows = len(self._queue)
 
     def _enqueued_tokens(self) -> int:
         """Tokens of this asset's open batches for the model, across all its partitions."""
@@ -348,6 +353,7 @@ class BatchPartitionRun:
             self.stats.batch_ids.append(batch["id"])
         self.stats.queue_s.append(queued)
         back = len(items) - len(rows)
+        self._rescan = self._rescan or back > 0
         self.log.info(
             f"partition {self.partition_key}: batch {batch['id']} {status} after {queued:.0f} s "
             f"in queue: {len(rows)} rows written" + (f", {back} go back to pending" if back else "")

@@ -7,6 +7,7 @@ the live path's `parse_completion`, so a batch answer and a live answer become t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,12 +15,12 @@ from typing import Any
 
 import aiohttp
 
+from .engine import backoff_delay
 from .errors import (
     CONNECTION_ERROR,
     SERVER_ERROR,
     BatchLLMError,
     ProviderError,
-    classify_status,
     redact,
 )
 from .transport import ChatResponse, error_from_body, parse_completion
@@ -28,6 +29,7 @@ CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETION_WINDOW = "24h"
 DEFAULT_MAX_FILE_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
+MAX_ATTEMPTS = 5  # of an idempotent call
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 # Line errors that mean "never processed": the request goes back to pending, it did not fail.
 NOT_PROCESSED = frozenset({"batch_expired", "batch_cancelled"})
@@ -141,6 +143,20 @@ class BatchClient:
             self._session = None
 
     async def _call(self, method: str, path: str, *, raw: bool = False, **kw: Any) -> Any:
+        """One call; reads (and uploads, which at worst leave an unused file) are retried on
+        connection errors, 429 and 5xx. Creating a batch is not: a retry could submit twice, so
+        the caller's recovery (find by metadata) decides instead."""
+        retry = method == "GET" or path == "/files"
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return await self._once(method, path, raw=raw, **kw)
+            except BatchAPIError as exc:
+                if not (retry and exc.metadata.get("retryable")) or attempt == MAX_ATTEMPTS:
+                    raise
+                await asyncio.sleep(backoff_delay(attempt, exc.metadata.get("retry_after_s")))
+        raise AssertionError("unreachable")
+
+    async def _once(self, method: str, path: str, *, raw: bool, **kw: Any) -> Any:
         if self._session is None:
             raise RuntimeError("BatchClient used outside `async with`")
         params = {**self._params, **kw.pop("params", {})}
@@ -155,15 +171,20 @@ class BatchClient:
             message = redact(f"{type(exc).__name__}: {exc}", self._secret)
             raise BatchAPIError(
                 description=f"{method} {path}: {message}",
-                metadata={"error_class": CONNECTION_ERROR},
+                metadata={"error_class": CONNECTION_ERROR, "retryable": True},
             ) from None
         if status >= 400:
-            text = data.decode("utf-8", "replace")
-            failure = error_from_body(status, text, headers, self._secret)
-            error_class, _ = classify_status(status, None, headers)
+            failure = error_from_body(
+                status, data.decode("utf-8", "replace"), headers, self._secret
+            )
             raise BatchAPIError(
                 description=f"{method} {path}: {failure.message}",
-                metadata={"error_class": error_class, "status": status},
+                metadata={
+                    "error_class": failure.error_class,
+                    "status": status,
+                    "retryable": failure.retryable,
+                    **({"retry_after_s": failure.retry_after_s} if failure.retry_after_s else {}),
+                },
             )
         return data if raw else json.loads(data)
 
