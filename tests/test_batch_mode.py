@@ -218,7 +218,10 @@ def test_expired_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
     assert statuses(db) == {"ok": PER_DAY // 2}
     assert metadata(expired)["batches_submitted"] == 1
     batch_config(bsim, expire_fraction=None)
-    assert materialize(asset(), bsim, db).success
+    final = materialize(asset(), bsim, db)
+    assert final.success
+    md = metadata(final)
+    assert (md["rows_ok"], md["rows_skipped"]) == (PER_DAY // 2, PER_DAY // 2)
     stats = bsim.stats()
     assert stats["batches_created"] == 2
     assert stats["batch_lines_submitted"] == PER_DAY + PER_DAY // 2

@@ -100,7 +100,7 @@ class BatchPartitionRun:
         self.state_table = state_table_for(spec.output.name)
         self.rows = BatchRows(llm, self.model, partition_key, settings.price_factor)
         self.stats = self.rows.stats
-        self.finalized: set[str] = set()  # rows written by this run: not sent again by it
+        self.finalized: set[Any] = set()  # ids this run wrote or found done: not sent again
         self._provider_full = False
         self._rescan = True
         self._queue: list[BatchLine] = []
@@ -214,8 +214,17 @@ class BatchPartitionRun:
             done = self.db.done_hashes(self.spec.output, self.partition_key, ids)
             for row in chunk:
                 rid = row[src.id_column]
+                if rid in self.finalized:
+                    continue
+                if not isinstance(rid, int | str):
+                    raise E.BatchLLMError(
+                        description=f"Batch mode needs integer or string ids; {src.id_column!r} "
+                        f"of {src.table!r} holds {type(rid).__name__} values. Use live mode or "
+                        "an integer or string id column."
+                    )
                 messages, problem = self.spec.prompt.render(row)
                 if problem is not None:
+                    self.finalized.add(rid)
                     failed.append(
                         self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent")
                     )
@@ -227,11 +236,13 @@ class BatchPartitionRun:
                 cid = custom_id(rid, rhash)
                 if done.get(rid) == rhash:
                     self.stats.skipped += 1
+                    self.finalized.add(rid)
                     continue
-                if cid in in_flight or cid in self.finalized:
+                if cid in in_flight:
                     continue
                 tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
                 if self.window and tokens > self.window:
+                    self.finalized.add(rid)
                     failed.append(
                         self.rows.failed(
                             rid,
@@ -347,7 +358,7 @@ class BatchPartitionRun:
         for i in range(0, len(rows), self.spec.chunk_rows):
             chunk = rows[i : i + self.spec.chunk_rows]
             await asyncio.to_thread(self.db.write_results, self.spec.output, chunk)
-        self.finalized.update(custom_id(r["id"], r["request_hash"]) for r in rows)
+        self.finalized.update(r["id"] for r in rows)
         await self._put(record, state="collected", provider_status=status)
         if batch["id"] not in self.stats.batch_ids:
             self.stats.batch_ids.append(batch["id"])
