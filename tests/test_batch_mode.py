@@ -403,3 +403,26 @@ def test_a_wrong_key_fails_the_run_without_the_key_in_the_message(bsim, db):
     text = str(failure.event_specific_data.error.message)
     assert "Incorrect API key" in text and "0123456789" not in text
     assert bsim.stats().get("batches_created", 0) == 0
+
+
+def test_cancelled_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
+    batch_config(bsim, completion_s=4.0)
+    submitted = materialize(asset(wait=False), bsim, db)
+    [batch_id] = metadata(submitted)["batch_ids"]
+    time.sleep(2.0)  # about half way: the simulator cancels with the lines it got to
+    req = urllib.request.Request(
+        f"{bsim.url}/batches/{batch_id}/cancel",
+        data=b"",
+        method="POST",
+        headers={"Authorization": f"Bearer {SIM_KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["status"] == "cancelled"
+    done_by_cancelled = bsim.stats()["batch_lines_processed"]
+    assert 0 < done_by_cancelled < PER_DAY
+    batch_config(bsim, completion_s=0.3)
+    assert materialize(asset(), bsim, db).success
+    stats = bsim.stats()
+    assert stats["batch_lines_submitted"] == 2 * PER_DAY - done_by_cancelled
+    assert stats["batch_lines_processed"] == PER_DAY
+    assert statuses(db) == {"ok": PER_DAY}

@@ -203,9 +203,11 @@ class BatchPartitionRun:
         """Rows not ok with the same request, not in an open batch, not written by this run."""
         src = self.spec.source
         in_flight: set[str] = set()
-        for record in self.db.batch_states(self.state_table, self.asset, self.partition_key):
-            if record["state"] in OPEN_STATES:
-                in_flight.update(json.loads(record["items"]))
+        open_ = self.db.batch_states(
+            self.state_table, self.asset, self.partition_key, open_only=True
+        )
+        for record in open_:
+            in_flight.update(json.loads(record["items"]))
         lines: list[BatchLine] = []
         failed: list[dict[str, Any]] = []
         self._items = {}
@@ -289,8 +291,8 @@ class BatchPartitionRun:
         """Tokens of this asset's open batches for the model, across all its partitions."""
         return sum(
             int(r["tokens"] or 0)
-            for r in self.db.batch_states(self.state_table, self.asset)
-            if r["state"] in OPEN_STATES and r["model"] == self.model
+            for r in self.db.batch_states(self.state_table, self.asset, open_only=True)
+            if r["model"] == self.model
         )
 
     async def _submit_file(self, group: list[tuple[BatchLine, bytes]], tokens: int) -> None:

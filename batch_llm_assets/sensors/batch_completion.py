@@ -16,7 +16,7 @@ from typing import Any
 
 import dagster as dg
 
-from ..assets.batch_mode import OPEN_STATES, state_table_for
+from ..assets.batch_mode import state_table_for
 from ..engine.batch_api import TERMINAL, BatchAPIError, BatchClient
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
@@ -58,14 +58,13 @@ def build_batch_completion_sensor(
         warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
         try:
             with warehouse.session() as session:
-                states = session.batch_states(state_table, asset_name)
+                states = session.batch_states(state_table, asset_name, open_only=True)
         except BatchLLMError as exc:
             context.log.error(str(exc.description))
             return dg.SkipReason(f"Cannot read {state_table!r}: {exc.description}")
         by_partition: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for record in states:
-            if record["state"] in OPEN_STATES:
-                by_partition[record["partition_key"]].append(record)
+            by_partition[record["partition_key"]].append(record)
         if not by_partition:
             return dg.SkipReason("No open batches.")
         try:

@@ -203,10 +203,10 @@ class WarehouseSession(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support batch mode")
 
     def batch_states(
-        self, table: str, asset: str, partition_key: str | None = None
+        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
     ) -> list[dict[str, Any]]:
         """State rows of an asset (one partition, or all when None), oldest first; [] if the
-        table does not exist yet."""
+        table does not exist yet. `open_only`: only rows in state uploaded or submitted."""
         raise NotImplementedError(f"{type(self).__name__} does not support batch mode")
 
 

@@ -455,7 +455,7 @@ class BigQuerySession(WarehouseSession):
         )
 
     def batch_states(
-        self, table: str, asset: str, partition_key: str | None = None
+        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
     ) -> list[dict[str, Any]]:
         names = [c for c, _ in BATCH_STATE_COLUMNS]
         try:
@@ -467,5 +467,7 @@ class BigQuerySession(WarehouseSession):
         if partition_key is not None:
             sql += " AND `partition_key` = @pk"
             params.append(bigquery.ScalarQueryParameter("pk", "STRING", partition_key))
+        if open_only:
+            sql += " AND `state` IN ('uploaded', 'submitted')"
         rows = self._rows(sql + " ORDER BY `created_at`, `intent_id`", params)
         return [dict(zip(names, row, strict=True)) for row in rows]

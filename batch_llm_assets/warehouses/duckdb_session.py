@@ -334,7 +334,7 @@ class DuckDBSession(WarehouseSession):
             )
 
     def batch_states(
-        self, table: str, asset: str, partition_key: str | None = None
+        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
     ) -> list[dict[str, Any]]:
         names = [c for c, _ in BATCH_STATE_COLUMNS]
         with self._lock:
@@ -345,5 +345,7 @@ class DuckDBSession(WarehouseSession):
             if partition_key is not None:
                 sql += " AND partition_key = ?"
                 params.append(partition_key)
+            if open_only:
+                sql += " AND state IN ('uploaded', 'submitted')"
             rows = self.conn.execute(sql + " ORDER BY created_at, intent_id", params).fetchall()
         return [dict(zip(names, row, strict=True)) for row in rows]
