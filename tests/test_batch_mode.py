@@ -426,3 +426,24 @@ def test_cancelled_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db)
     assert stats["batch_lines_submitted"] == 2 * PER_DAY - done_by_cancelled
     assert stats["batch_lines_processed"] == PER_DAY
     assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_the_batch_client_and_the_simulator_batch_routes_import_no_dagster():
+    """ARCHITECTURE.md: engine/ is a plain async library; simulator/ imports only token counting."""
+    import ast
+    from pathlib import Path
+
+    import batch_llm_assets
+
+    root = Path(batch_llm_assets.__file__).parent
+    allowed = {
+        "engine/batch_api.py": {"errors", "transport", "engine"},
+        "simulator/batch.py": {"engine.tokens", "server"},
+    }
+    for rel, ours in allowed.items():
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.module in ours, f"{rel} imports {'.' * node.level}{node.module}"
+            if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
+                names = [getattr(node, "module", None) or "", *(a.name for a in node.names)]
+                assert not any(n.startswith("dagster") for n in names), rel

@@ -27,6 +27,7 @@ from ..engine.batch_api import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_FILE_REQUESTS,
     TERMINAL,
+    BatchAPIError,
     BatchClient,
     BatchLine,
     parse_output_line,
@@ -164,7 +165,16 @@ class BatchPartitionRun:
         for record in (s for s in states if s["state"] == "uploaded"):
             batch = await self.client.find("bla_intent", record["intent_id"])
             if batch is None:
-                batch = await self.client.create(record["file_id"], self._metadata(record))
+                try:
+                    batch = await self.client.create(record["file_id"], self._metadata(record))
+                except BatchAPIError as exc:
+                    if exc.metadata.get("retryable", True):
+                        raise  # unclear whether it was created: the next run looks again
+                    # Refused (e.g. the file is gone): never submitted, so its rows are pending.
+                    self.log.warning(f"partition {self.partition_key}: {exc.description}")
+                    await self._put(record, state="collected", provider_status="not_submitted")
+                    self._rescan = True
+                    continue
             else:
                 self.log.info(f"partition {self.partition_key}: adopted batch {batch['id']}")
             await self._put(
