@@ -3,13 +3,15 @@
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import dagster as dg
 
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
+from .batch_mode import BatchSettings
+from .batch_results import materialize_batch_partition
 from .checks import DEFAULT_WARN_FAILED_FRACTION, check_results, check_specs, judge_partition
 from .metadata import build_metadata
 from .prompt import CompiledPrompt, Prompt
@@ -76,12 +78,20 @@ def build_llm_batch_asset(
     deps: Sequence[dg.AssetKey | str] | None = None,
     tags: Mapping[str, str] | None = None,
     owners: Sequence[str] | None = None,
+    mode: Literal["live", "batch"] = "live",
+    batch: BatchSettings | None = None,
 ) -> dg.AssetsDefinition:
     """An asset whose partitions each send one chat request per source row and write the answers.
 
     Checked here, before any run: identifiers (names only, never SQL), the template's syntax and
     that it names only known columns, and the settings' ranges.
+
+    `mode="batch"` sends a partition's pending rows through the provider's Batch API (half
+    price, completes within 24 h); `batch` says how (BatchSettings: wait, file limits, ...).
     """
+    if mode not in ("live", "batch"):
+        raise BatchLLMError(description=f"mode must be 'live' or 'batch', got {mode!r}")
+    batch_settings = batch or BatchSettings()
     check_identifier(name, "asset")
     per_partition = source.table.endswith(TABLE_PER_PARTITION)
     check_table(source.table.replace(TABLE_PER_PARTITION, "t"))
@@ -143,6 +153,7 @@ def build_llm_batch_asset(
             "batch_llm/output_table": output,
             "batch_llm/prompt_template": prompt.template,
             "batch_llm/model": model or "(resource default)",
+            "batch_llm/mode": mode,
             "dagster/column_schema": output_schema(source.id_column),
         },
     )
@@ -156,6 +167,19 @@ def build_llm_batch_asset(
             check_table(table)
             run_spec = dataclasses.replace(
                 spec, source=dataclasses.replace(spec.source, table=table)
+            )
+        if mode == "batch":  # issue 13: the Batch API path (assets/batch_mode.py)
+            return materialize_batch_partition(
+                context,
+                run_spec,
+                llm,
+                warehouse,
+                where,
+                partition_key,
+                settings=batch_settings,
+                max_failed_fraction=max_failed_fraction,
+                checks=checks,
+                warn_failed_fraction=warn_failed_fraction,
             )
         try:
             with warehouse.session() as session:

@@ -171,6 +171,10 @@ class Simulator:
         app.router.add_get("/stats", self.stats)
         app.router.add_post("/admin/config", self.set_config)
         app.router.add_post("/admin/reset", self.admin_reset)
+        # Batch API (issue 13): /v1/files, /v1/batches, /admin/batch_config
+        from .batch import BatchAPI
+
+        BatchAPI(self).register(app)
         return app
 
     async def models(self, request: web.Request) -> web.Response:

@@ -100,6 +100,25 @@ def utc_days(where: SliceFilter, table: str) -> tuple[date, date]:
 OUTPUT_KEY = ("partition_key", "id")
 
 
+# The Batch API state table (issue 13): which rows went into which provider batch.
+BATCH_STATE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("asset", "string"),
+    ("partition_key", "string"),
+    ("intent_id", "string"),  # ours, chosen before submitting: finds an orphan batch again
+    ("file_id", "string"),
+    ("batch_id", "string"),
+    ("model", "string"),
+    ("state", "string"),  # uploaded -> submitted -> collected
+    ("provider_status", "string"),
+    ("items", "string"),  # JSON {custom_id: [id, request_hash]}: the rows' request identities
+    ("n_requests", "int"),
+    ("tokens", "int"),  # estimated tokens enqueued (prompt + answer budget)
+    ("created_at", "timestamp"),
+    ("updated_at", "timestamp"),
+)
+BATCH_STATE_KEY = ("asset", "partition_key", "intent_id")
+
+
 @dataclass(frozen=True)
 class OutputTable:
     """Where results go: the table and its columns after `id` as (name, logical type), the
@@ -179,6 +198,22 @@ class WarehouseSession(abc.ABC):
         """The partition as the output table holds it: rows_ok, rows_failed, rows_total,
         prompt_tokens, completion_tokens, cost_usd (None when a priced row has no cost) and
         errors (the top error classes -> rows)."""
+
+    # -- Batch API state (issue 13): one row per submitted input file ------------------------
+    def ensure_batch_state(self, table: str) -> None:
+        """Create the batch state table (BATCH_STATE_COLUMNS, keyed by BATCH_STATE_KEY)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support batch mode")
+
+    def put_batch_state(self, table: str, record: dict[str, Any]) -> None:
+        """Upsert one state row by BATCH_STATE_KEY, durably (committed when this returns)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support batch mode")
+
+    def batch_states(
+        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
+    ) -> list[dict[str, Any]]:
+        """State rows of an asset (one partition, or all when None), oldest first; [] if the
+        table does not exist yet. `open_only`: only rows in state uploaded or submitted."""
+        raise NotImplementedError(f"{type(self).__name__} does not support batch mode")
 
 
 SUMMARY_TOP_ERRORS = 5

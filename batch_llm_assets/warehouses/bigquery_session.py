@@ -26,6 +26,8 @@ from google.cloud import bigquery
 
 from ..engine.errors import BatchLLMError
 from .base import (
+    BATCH_STATE_COLUMNS,
+    BATCH_STATE_KEY,
     OUTPUT_KEY,
     InvalidIdentifierError,
     OutputTable,
@@ -427,3 +429,53 @@ class BigQuerySession(WarehouseSession):
         except NotFound:
             raise missing from None
         return sorted(names)[: max(0, limit)]
+
+    # -- Batch API state (issue 13) ---------------------------------------------------------
+    def ensure_batch_state(self, table: str) -> None:
+        ref = self._ref(table)
+        if not self._dataset_exists(ref):
+            project, dataset, _ = table_parts(table)
+            qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
+            self._ddl(f"CREATE SCHEMA IF NOT EXISTS {qds}")
+        cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in BATCH_STATE_COLUMNS)
+        self._ddl(f"CREATE TABLE IF NOT EXISTS {_qt(table)} ({cols})")
+
+    def put_batch_state(self, table: str, record: dict[str, Any]) -> None:
+        """One MERGE on the key: a DML statement, so the row is durable when it returns."""
+        names = [c for c, _ in BATCH_STATE_COLUMNS]
+        params = []
+        for column, kind in BATCH_STATE_COLUMNS:
+            value = record.get(column)
+            if kind == "timestamp" and value is not None and value.tzinfo is None:
+                value = value.replace(tzinfo=UTC)
+            params.append(bigquery.ScalarQueryParameter(column, _TYPES[kind], value))
+        on = " AND ".join(f"T.{_q(c)} = @{c}" for c in BATCH_STATE_KEY)
+        sets = ", ".join(f"{_q(c)} = @{c}" for c in names if c not in BATCH_STATE_KEY)
+        sql = (
+            f"MERGE {_qt(table)} AS T USING (SELECT 1) AS S ON {on} "
+            f"WHEN MATCHED THEN UPDATE SET {sets} "
+            f"WHEN NOT MATCHED THEN INSERT ({', '.join(_q(c) for c in names)}) "
+            f"VALUES ({', '.join('@' + c for c in names)})"
+        )
+        run_dml(
+            lambda: self._query(sql, params).result(job_retry=None),
+            what=f"Recording batch state in {table!r}",
+        )
+
+    def batch_states(
+        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
+    ) -> list[dict[str, Any]]:
+        names = [c for c, _ in BATCH_STATE_COLUMNS]
+        try:
+            self.client.get_table(self._ref(table))
+        except NotFound:
+            return []
+        sql = f"SELECT {', '.join(_q(c) for c in names)} FROM {_qt(table)} WHERE `asset` = @asset"
+        params = [bigquery.ScalarQueryParameter("asset", "STRING", asset)]
+        if partition_key is not None:
+            sql += " AND `partition_key` = @pk"
+            params.append(bigquery.ScalarQueryParameter("pk", "STRING", partition_key))
+        if open_only:
+            sql += " AND `state` IN ('uploaded', 'submitted')"
+        rows = self._rows(sql + " ORDER BY `created_at`, `intent_id`", params)
+        return [dict(zip(names, row, strict=True)) for row in rows]

@@ -18,6 +18,8 @@ import pandas as pd
 
 from ..engine.errors import BatchLLMError
 from .base import (
+    BATCH_STATE_COLUMNS,
+    BATCH_STATE_KEY,
     OUTPUT_KEY,
     OutputTable,
     SliceFilter,
@@ -315,3 +317,44 @@ class DuckDBSession(WarehouseSession):
                 [dataset, limit],
             ).fetchall()
         return [r[0] for r in rows]
+
+    # -- Batch API state (issue 13) ---------------------------------------------------------
+    def ensure_batch_state(self, table: str) -> None:
+        parts = check_table(table)
+        cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in BATCH_STATE_COLUMNS)
+        key = ", ".join(_q(c) for c in BATCH_STATE_KEY)
+        with self._lock:
+            if len(parts) > 1:
+                self.conn.execute(
+                    f"CREATE SCHEMA IF NOT EXISTS {'.'.join(_q(p) for p in parts[:-1])}"
+                )
+            self.conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {_qt(table)} ({cols}, PRIMARY KEY ({key}))"
+            )
+
+    def put_batch_state(self, table: str, record: dict[str, Any]) -> None:
+        names = [c for c, _ in BATCH_STATE_COLUMNS]
+        marks = ", ".join("?" for _ in names)
+        with self._lock:
+            self.conn.execute(
+                f"INSERT OR REPLACE INTO {_qt(table)} ({', '.join(_q(c) for c in names)}) "
+                f"VALUES ({marks})",
+                [record.get(c) for c in names],
+            )
+
+    def batch_states(
+        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
+    ) -> list[dict[str, Any]]:
+        names = [c for c, _ in BATCH_STATE_COLUMNS]
+        with self._lock:
+            if not self._columns(table):
+                return []
+            sql = f"SELECT {', '.join(_q(c) for c in names)} FROM {_qt(table)} WHERE asset = ?"
+            params: list[Any] = [asset]
+            if partition_key is not None:
+                sql += " AND partition_key = ?"
+                params.append(partition_key)
+            if open_only:
+                sql += " AND state IN ('uploaded', 'submitted')"
+            rows = self.conn.execute(sql + " ORDER BY created_at, intent_id", params).fetchall()
+        return [dict(zip(names, row, strict=True)) for row in rows]

@@ -45,6 +45,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from ...assets.batch_mode import BatchSettings
 from ...assets.checks import DEFAULT_WARN_FAILED_FRACTION
 from ...assets.factory import (
     DEFAULT_CHUNK_ROWS,
@@ -55,6 +56,7 @@ from ...assets.factory import (
 )
 from ...assets.prompt import Prompt
 from ...engine.errors import BatchLLMError
+from ...sensors.batch_completion import build_batch_completion_sensor
 from ...sensors.new_tables import DEFAULT_MAX_TABLES_PER_TICK, build_new_input_tables_sensor
 from ...sensors.notifications import build_run_notification_sensors
 from ...sensors.schedules import build_latest_partition_schedule
@@ -259,6 +261,28 @@ class NotificationsConfig(dg.Model):
     )
 
 
+class BatchModeConfig(dg.Model):
+    """Batch API settings (issue 13), used when mode is 'batch'."""
+
+    model_config = ConfigDict(extra="forbid")
+    wait: bool = Field(
+        default=True,
+        description="Poll until the partition's batches end (true), or submit and end the run "
+        "(false): then a batch-completion sensor materialises the partition when they end.",
+    )
+    max_file_requests: int = Field(default=50_000, description="Requests per input file.")
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, description="Bytes per input file.")
+    enqueued_token_limit: int | None = Field(
+        default=None,
+        description="The provider's enqueued-token limit for the model; submissions over it "
+        "wait for earlier batches to end. None: no limit.",
+    )
+    poll_max_s: float = Field(default=300.0, description="Longest pause between two polls.")
+    sensor_interval_s: int = Field(
+        default=300, description="Seconds between ticks of the batch-completion sensor."
+    )
+
+
 def _keep_literally(context: dg.ResolutionContext, value: Any) -> Any:
     """The prompt is a Jinja template for rows: never rendered with the YAML's template scope."""
     return value
@@ -344,6 +368,14 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     )
     notifications: NotificationsConfig | None = Field(
         default=None, description="Post each run's end and figures to a webhook."
+    )
+    mode: Literal["live", "batch"] = Field(
+        default="live",
+        description="'live': one chat request per row now; 'batch': the provider's Batch API "
+        "(half price, answers within 24 h).",
+    )
+    batch: BatchModeConfig | None = Field(
+        default=None, description="Batch API settings when mode is 'batch'."
     )
     llm_resource_key: str = Field(default="llm", description="Key of the LLMResource.")
     warehouse_resource_key: str = Field(
@@ -581,6 +613,21 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
                 deps=[dg.AssetKey.from_user_string(d) for d in self.deps or []],
                 tags=self.tags,
                 owners=self.owners,
+                mode=self.mode,
+                batch=self._batch_settings(),
+            )
+
+    def _batch_settings(self) -> BatchSettings | None:
+        if self.batch is None:
+            return None
+        with _at("batch"):
+            cfg = self.batch
+            return BatchSettings(
+                wait=cfg.wait,
+                max_file_requests=cfg.max_file_requests,
+                max_file_bytes=cfg.max_file_bytes,
+                enqueued_token_limit=cfg.enqueued_token_limit,
+                poll_max_s=cfg.poll_max_s,
             )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
@@ -621,6 +668,16 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
                 )
         if self.notifications is not None:
             sensors.extend(self._notification_sensors())
+        if self.mode == "batch" and self.batch is not None and not self.batch.wait:
+            sensors.append(
+                build_batch_completion_sensor(
+                    asset=asset,
+                    llm_resource_key=self.llm_resource_key,
+                    warehouse_resource_key=self.warehouse_resource_key,
+                    minimum_interval_seconds=self.batch.sensor_interval_s,
+                    default_status=dg.DefaultSensorStatus.RUNNING,
+                )
+            )
         return dg.Definitions(
             assets=[asset],
             jobs=[job],

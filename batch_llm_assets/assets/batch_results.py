@@ -1,0 +1,176 @@
+"""What batch lines become: output rows at the batch price, stats, and the run's metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+
+from ..engine import errors as E
+from ..engine.batch_api import LineResult
+from ..engine.engine import ChatResult
+from ..engine.outcome import classify_answer
+from ..resources.llm import LLMResource
+from ..warehouses.base import SliceFilter, Warehouse
+from .checks import check_results, judge_partition
+from .metadata import build_metadata
+from .pricing import cost_usd, price_for
+from .runner import RunSpec, RunStats
+
+if TYPE_CHECKING:
+    from .batch_mode import BatchSettings
+
+# OpenAI's and Azure OpenAI's batch list price is half the live one. The dagster helper moves
+# prices to genai-prices, which knows batch prices per model: use those when it lands.
+BATCH_PRICE_FACTOR = 0.5
+
+
+@dataclass
+class BatchStats(RunStats):
+    batch_ids: list[str] = field(default_factory=list)
+    batches_submitted: int = 0
+    batches_open: int = 0
+    queue_s: list[float] = field(default_factory=list)
+    queued_rows: int = 0
+
+
+class BatchRows:
+    """Builds output rows (the live mode's columns) and counts them into the stats."""
+
+    def __init__(self, llm: LLMResource, model: str, partition_key: str, factor: float) -> None:
+        price = price_for(
+            model, input_override=llm.price_input_per_1m, output_override=llm.price_output_per_1m
+        )
+        self.price = None if price is None else (price[0] * factor, price[1] * factor)
+        self.model, self.partition_key = model, partition_key
+        self.stats = BatchStats(cost_usd=0.0 if self.price is not None else None)
+
+    def line(
+        self,
+        rid: Any,
+        rhash: str,
+        line: LineResult,
+        *,
+        max_tokens: int,
+        tools_allowed: bool = False,
+    ) -> dict[str, Any]:
+        """An output or error-file line, parsed and judged as the live path judges an answer
+        (truncated, refusal, content_filter, ... fail the row with their reason)."""
+        resp = line.response
+        if resp is None:
+            return self.failed(
+                rid, rhash, line.error_class or E.SERVER_ERROR, line.error_message or ""
+            )
+        verdict = classify_answer(resp, tools_allowed=tools_allowed, max_tokens=max_tokens)
+        result = ChatResult(
+            rid,
+            verdict.status,
+            response=verdict.response,
+            finish_reason=resp.finish_reason,
+            refusal=resp.refusal,
+            error_class=verdict.error_class,
+            error_message=verdict.message,
+            prompt_tokens=resp.prompt_tokens,
+            completion_tokens=resp.completion_tokens,
+            attempts=1,
+        )
+        return self.row(result, rhash)
+
+    def failed(self, rid: Any, rhash: str | None, error_class: str, message: str) -> dict[str, Any]:
+        return self.row(
+            ChatResult(rid, "failed", error_class=error_class, error_message=message, attempts=1),
+            rhash,
+        )
+
+    def row(self, r: ChatResult, rhash: str | None) -> dict[str, Any]:
+        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
+        self.stats.add(r, cost)
+        return {
+            "id": r.id,
+            "partition_key": self.partition_key,
+            "response": r.response,
+            "status": r.status,
+            "error_class": r.error_class,
+            "error": r.error_message,
+            "model": self.model,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cost_usd": cost,
+            "finish_reason": r.finish_reason,
+            "refusal": r.refusal,
+            "latency_ms": None,  # a batch line has no per-request latency; see batch_queue_max_s
+            "total_ms": None,
+            "attempts": r.attempts,
+            "request_hash": rhash,
+            "completed_at": datetime.now(UTC),
+        }
+
+
+def materialize_batch_partition(
+    context: dg.AssetExecutionContext,
+    spec: RunSpec,
+    llm: LLMResource,
+    warehouse: Warehouse,
+    where: SliceFilter,
+    partition_key: str,
+    *,
+    settings: BatchSettings,
+    max_failed_fraction: float,
+    checks: bool = True,
+    warn_failed_fraction: float,
+) -> dg.MaterializeResult:
+    """The asset body in batch mode: run the partition, then metadata and the failure check."""
+    from .batch_mode import BatchPartitionRun
+
+    output = spec.output.name
+    with warehouse.session() as session:
+        run = BatchPartitionRun(
+            spec,
+            llm,
+            session,
+            where,
+            partition_key,
+            context.log,
+            asset=context.asset_key.to_user_string(),
+            settings=settings,
+            run_id=context.run_id,
+        )
+        try:
+            stats = run.run()
+            summary = session.partition_summary(output, partition_key)
+        except E.BatchLLMError as exc:
+            raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
+    metadata = build_metadata(stats, summary=summary, model=run.model, output=output)
+    metadata.update(batch_metadata(stats, settings))
+    if not stats.batches_open:  # wait=False: rows still queued are not failures yet
+        judge_partition(
+            summary,
+            stats.rows_in,
+            max_failed_fraction=max_failed_fraction,
+            aborted=stats.aborted,
+            metadata=metadata,
+        )
+    # With batches still open the checks say what the output holds now (rows still queued are
+    # missing); the completion sensor's materialisation checks the partition again.
+    results = (
+        check_results(summary, stats.rows_in, warn_failed_fraction=warn_failed_fraction)
+        if checks
+        else []
+    )
+    return dg.MaterializeResult(metadata=metadata, check_results=results)
+
+
+def batch_metadata(stats: BatchStats, settings: BatchSettings) -> dict[str, Any]:
+    """What batch mode adds to the live metadata: its batches and how long they queued."""
+    queue = sorted(stats.queue_s)
+    return {
+        "mode": dg.MetadataValue.text("batch"),
+        "batch_ids": dg.MetadataValue.json(stats.batch_ids),
+        "batches_submitted": dg.MetadataValue.int(stats.batches_submitted),
+        "batches_open": dg.MetadataValue.int(stats.batches_open),
+        "rows_queued": dg.MetadataValue.int(stats.queued_rows),
+        "batch_queue_max_s": dg.MetadataValue.float(round(queue[-1], 1) if queue else 0.0),
+        "batch_price_factor": dg.MetadataValue.float(settings.price_factor),
+    }

@@ -1,0 +1,449 @@
+"""Batch mode (issue 13): the Batch API path against the simulator's /v1/files and /v1/batches,
+with DuckDB files and real `dagster asset materialize` subprocesses; counted at the simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import dagster as dg
+import pytest
+
+from batch_llm_assets import (
+    DuckDBWarehouse,
+    LLMResource,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+)
+from batch_llm_assets.assets.batch_mode import BatchSettings, state_table_for
+from batch_llm_assets.demo_data import create_demo_table
+
+from .conftest import SIM_KEY
+from .conftest import duckdb_query as query
+from .test_bigquery import bq, bq_endpoint, dataset  # noqa: F401  (fixtures)
+from .test_component import load_attributes  # noqa: F401  (fixture)
+
+DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
+PROMPT = Prompt(
+    template="Headline: {{ headline }}\nAnswer with one of: positive, negative, neutral"
+)
+PER_DAY = 30
+STATE = state_table_for("news_sentiment")
+
+
+def asset(**settings):
+    return build_llm_batch_asset(
+        name="sentiment",
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=PROMPT,
+        output="news_sentiment",
+        params={"max_tokens": 5},
+        partitions_def=DAYS,
+        mode="batch",
+        batch=BatchSettings(**({"poll_first_s": 0.2, "poll_max_s": 0.5} | settings)),
+    )
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = str(tmp_path / "w.duckdb")
+    create_demo_table(path, days=3, per_day=PER_DAY)
+    return path
+
+
+@pytest.fixture
+def bsim(fresh_sim):
+    """The shared simulator with default batch settings (a batch takes 0.5 s)."""
+    batch_config(
+        fresh_sim,
+        completion_s=0.5,
+        line_fail=0.0,
+        expire_fraction=None,
+        enqueued_token_limit=None,
+        max_file_requests=50_000,
+    )
+    return fresh_sim
+
+
+def batch_config(sim, **settings):
+    req = urllib.request.Request(
+        sim.root + "/admin/batch_config", data=json.dumps(settings).encode(), method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["ok"]
+
+
+def resources(sim, db):
+    return {
+        "llm": LLMResource(base_url=sim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
+        "warehouse": DuckDBWarehouse(database=db),
+    }
+
+
+def materialize(a, sim, db, key="2026-11-01"):
+    return dg.materialize(
+        [a], resources=resources(sim, db), partition_key=key, raise_on_error=False
+    )
+
+
+def metadata(result):
+    mats = result.asset_materializations_for_node("sentiment")
+    return {k: v.value for k, v in mats[-1].metadata.items()}
+
+
+def statuses(db, key="2026-11-01"):
+    return dict(
+        query(
+            db,
+            "SELECT status, count(*) FROM news_sentiment "
+            f"WHERE partition_key = '{key}' GROUP BY status",
+        )
+    )
+
+
+def test_batch_partition_is_written_at_half_price_and_rerun_sends_nothing(bsim, db):
+    result = materialize(asset(), bsim, db)
+    assert result.success
+    md = metadata(result)
+    assert statuses(db) == {"ok": PER_DAY}
+    stats = bsim.stats()
+    assert stats["batches_created"] == 1 and stats["batch_lines_submitted"] == PER_DAY
+    assert stats.get("received", 0) == 0  # nothing went through the live route
+    assert md["mode"] == "batch" and len(md["batch_ids"]) == 1
+    # Batch price: half of the live price for the same tokens (gpt-4o-mini: 0.15 / 0.60 per 1M).
+    [(cost, pt, ct)] = query(
+        db, "SELECT sum(cost_usd), sum(prompt_tokens), sum(completion_tokens) FROM news_sentiment"
+    )
+    assert cost == pytest.approx((pt * 0.15 + ct * 0.60) / 1e6 * 0.5)
+    again = materialize(asset(), bsim, db)
+    assert again.success and metadata(again)["run/rows_skipped"] == PER_DAY
+    assert bsim.stats()["batches_created"] == 1
+
+
+_DEFS = """
+import dagster as dg
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
+from batch_llm_assets.assets.batch_mode import BatchSettings
+
+sentiment = build_llm_batch_asset(
+    name="sentiment",
+    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
+    prompt=Prompt(template={template!r}),
+    output="news_sentiment",
+    params={{"max_tokens": 5}},
+    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04"),
+    mode="batch",
+    batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5),
+)
+defs = dg.Definitions(assets=[sentiment], resources={{
+    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini"),
+    "warehouse": DuckDBWarehouse(database="{db}"),
+}})
+"""
+
+
+def _command(tmp_path, sim, db):
+    defs = tmp_path / "defs.py"
+    defs.write_text(_DEFS.format(template=PROMPT.template, url=sim.url, key=SIM_KEY, db=db))
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-f",
+        str(defs),
+        "--select",
+        "sentiment",
+        "--partition",
+        "2026-11-01",
+    ]
+    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
+
+
+def test_sigkill_while_waiting_then_rerun_resumes_without_resubmitting(bsim, db, tmp_path):
+    batch_config(bsim, completion_s=120.0)  # the batch stays in progress while the run polls
+    cmd, env = _command(tmp_path, bsim, db)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 120
+    while bsim.stats().get("batches_retrieved", 0) < 2:  # submitted, and polling
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert bsim.stats()["batches_created"] == 1
+    batch_config(bsim, completion_s=0.5)  # the provider finishes the batch meanwhile
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-2000:]
+    stats = bsim.stats()
+    assert (stats["files_uploaded"], stats["batches_created"]) == (1, 1)
+    assert stats["batch_lines_submitted"] == PER_DAY == stats["batch_lines_processed"]
+    assert query(
+        db, "SELECT count(*), count(DISTINCT id), min(status), max(status) FROM news_sentiment"
+    ) == [(PER_DAY, PER_DAY, "ok", "ok")]
+    assert query(db, f"SELECT state FROM {STATE}") == [("collected",)]
+
+
+def test_orphan_batch_of_a_run_killed_before_recording_it_is_adopted(bsim, db):
+    assert materialize(asset(wait=False), bsim, db).success
+    # The state a kill leaves between "provider accepted the batch" and "we recorded its id".
+    con = __import__("duckdb").connect(db)
+    con.execute(f"UPDATE {STATE} SET state = 'uploaded', batch_id = NULL")
+    con.close()
+    result = materialize(asset(), bsim, db)
+    assert result.success
+    stats = bsim.stats()
+    assert (stats["batches_created"], stats["batch_lines_submitted"]) == (1, PER_DAY)
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_expired_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
+    batch_config(bsim, expire_fraction=0.5)
+    assert materialize(asset(wait=False), bsim, db).success
+    time.sleep(0.6)
+    expired = materialize(asset(wait=False), bsim, db)  # collects half, resubmits the rest
+    assert expired.success
+    assert statuses(db) == {"ok": PER_DAY // 2}
+    assert metadata(expired)["batches_submitted"] == 1
+    batch_config(bsim, expire_fraction=None)
+    final = materialize(asset(), bsim, db)
+    assert final.success
+    md = metadata(final)
+    assert (md["run/rows_ok"], md["run/rows_skipped"]) == (PER_DAY // 2, PER_DAY // 2)
+    stats = bsim.stats()
+    assert stats["batches_created"] == 2
+    assert stats["batch_lines_submitted"] == PER_DAY + PER_DAY // 2
+    assert stats["batch_lines_processed"] == PER_DAY  # no row answered (and paid) twice
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_error_file_lines_become_failed_rows_and_a_rerun_resends_only_them(bsim, db):
+    batch_config(bsim, line_fail=0.3)
+    result = materialize(asset(), bsim, db)
+    failed = bsim.stats()["batch_lines_failed"]
+    assert 0 < failed < PER_DAY
+    assert not result.success  # over max_failed_fraction, after every row was written
+    assert statuses(db) == {"ok": PER_DAY - failed, "failed": failed}
+    reasons = query(
+        db, "SELECT DISTINCT error_class, error FROM news_sentiment WHERE status = 'failed'"
+    )
+    assert reasons == [
+        ("server_error", "HTTP 500: The server had an error while processing your request.")
+    ]
+    batch_config(bsim, line_fail=0.0)
+    assert materialize(asset(), bsim, db).success
+    assert bsim.stats()["batch_lines_submitted"] == PER_DAY + failed
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_rows_are_split_into_files_within_the_per_file_limit(bsim, db):
+    result = materialize(asset(max_file_requests=8), bsim, db)
+    assert result.success
+    stats = bsim.stats()
+    assert stats["files_uploaded"] == stats["batches_created"] == 4  # 8 + 8 + 8 + 6
+    assert len(metadata(result)["batch_ids"]) == 4
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_enqueued_token_limit_queues_submissions_instead_of_being_refused(bsim, db):
+    limit = 500
+    batch_config(bsim, enqueued_token_limit=limit)  # the provider refuses anything over it
+    result = materialize(asset(enqueued_token_limit=limit), bsim, db)
+    assert result.success
+    stats = bsim.stats()
+    assert stats["batches_created"] >= 2 and stats.get("batches_rejected", 0) == 0
+    assert statuses(db) == {"ok": PER_DAY}
+    tokens = query(db, f"SELECT max(tokens) FROM {STATE}")[0][0]
+    assert tokens <= limit
+
+
+def test_sensor_requests_the_partition_once_its_batches_complete(bsim, db):
+    from batch_llm_assets.sensors import build_batch_completion_sensor
+
+    a = asset(wait=False)
+    sensor = build_batch_completion_sensor(asset=a)
+    batch_config(bsim, completion_s=60.0)
+    submitted = materialize(a, bsim, db)
+    assert submitted.success and metadata(submitted)["batches_open"] == 1
+    assert statuses(db) == {}
+
+    def tick():
+        with (
+            dg.instance_for_test() as instance,
+            dg.build_sensor_context(instance=instance, resources=resources(bsim, db)) as ctx,
+        ):
+            return sensor(ctx)
+
+    assert isinstance(tick(), dg.SkipReason)  # still in progress
+    batch_config(bsim, completion_s=0.1)
+    result = tick()
+    [request] = result.run_requests
+    assert request.partition_key == "2026-11-01"
+    collected = materialize(a, bsim, db)  # what the requested run does: collect only
+    assert collected.success and metadata(collected)["batches_submitted"] == 0
+    assert statuses(db) == {"ok": PER_DAY}
+    assert bsim.stats()["batches_created"] == 1
+    assert isinstance(tick(), dg.SkipReason)  # nothing open any more
+
+
+@pytest.mark.bigquery
+def test_batch_mode_on_bigquery_records_state_and_resumes(bsim, bq_endpoint, bq, dataset):  # noqa: F811
+    from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
+
+    from .test_bigquery import PER_DAY as BQ_PER_DAY
+    from .test_bigquery import PROJECT
+    from .test_bigquery import query as bq_query
+
+    a = build_llm_batch_asset(
+        name="sentiment",
+        source=SourceTable(
+            table=f"{dataset}.news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=PROMPT,
+        output=f"{dataset}.news_sentiment",
+        params={"max_tokens": 5},
+        partitions_def=DAYS,
+        mode="batch",
+        batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5, wait=False),
+    )
+    res = {
+        "llm": LLMResource(base_url=bsim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
+        "warehouse": BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint),
+    }
+    run = lambda: dg.materialize([a], resources=res, partition_key="2026-11-01")  # noqa: E731
+    assert metadata(run())["batches_open"] == 1
+    state = f"`{dataset}`.`news_sentiment__bla_batches`"
+    assert bq_query(bq, f"SELECT state, n_requests FROM {state}") == [("submitted", BQ_PER_DAY)]
+    time.sleep(0.6)
+    assert metadata(run())["run/rows_ok"] == BQ_PER_DAY  # collects only
+    assert bq_query(bq, f"SELECT state, provider_status FROM {state}") == [
+        ("collected", "completed")
+    ]
+    assert bq_query(
+        bq, f"SELECT count(*) FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'"
+    ) == [(BQ_PER_DAY,)]
+    assert bsim.stats()["batches_created"] == 1
+
+
+def test_yaml_component_declares_batch_mode_and_its_completion_sensor(load_attributes):  # noqa: F811
+    from .test_component import GOOD
+
+    defs = load_attributes(GOOD | {"mode": "batch", "batch": {"wait": False}})
+    [a] = [x for x in defs.assets or [] if isinstance(x, dg.AssetsDefinition)]
+    assert a.metadata_by_key[a.key]["batch_llm/mode"] == "batch"
+    assert [s.name for s in defs.sensors or []] == ["headline_sentiment_batch_completion"]
+    waiting = load_attributes(GOOD | {"mode": "batch"})
+    assert not waiting.sensors  # the run itself waits: no sensor needed
+    bad = _config_error(load_attributes, {"batch": {"max_file_requests": 0}})
+    assert bad.startswith("batch: batch max_file_requests must be > 0"), bad
+    assert _config_error(load_attributes, {"mode": "offline"}).startswith("mode: Input should be")
+
+
+def _config_error(load, change):
+    from batch_llm_assets.components import LlmBatchConfigError
+
+    from .test_component import GOOD
+
+    with pytest.raises(Exception) as info:
+        load(GOOD | {"mode": "batch"} | change)
+    exc: BaseException | None = info.value
+    while exc is not None and not isinstance(exc, LlmBatchConfigError):
+        exc = exc.__cause__ or exc.__context__
+    assert exc is not None, f"no LlmBatchConfigError behind {info.value!r}"
+    return exc.description
+
+
+def test_split_files_keeps_each_file_within_requests_bytes_and_tokens():
+    from batch_llm_assets.engine.batch_api import BatchAPIError, BatchLine, split_files
+
+    lines = [BatchLine(f"r{i}", {"messages": [{"content": "x" * (10 * i)}]}, 10) for i in range(40)]
+    sizes = [len(line.encode()) for line in lines]
+    for limits in ({"max_requests": 7}, {"max_bytes": 4 * max(sizes)}, {"max_tokens": 55}):
+        files = list(split_files(lines, **({"max_requests": 1000, "max_bytes": 10**9} | limits)))
+        assert [line for f in files for line, _ in f] == lines  # all of them, in order, once
+        assert len(files) > 1
+        for f in files:
+            assert len(f) <= limits.get("max_requests", 1000)
+            assert sum(len(data) for _, data in f) <= limits.get("max_bytes", 10**9)
+            assert sum(line.tokens for line, _ in f) <= limits.get("max_tokens", 10**9)
+    with pytest.raises(BatchAPIError, match="over the per-file limit"):
+        list(split_files(lines, max_bytes=min(sizes) - 1))
+
+
+def test_azure_url_form_reaches_the_batch_routes(bsim, db):
+    res = resources(bsim, db)
+    res["llm"] = LLMResource(
+        base_url=bsim.root, api_key=SIM_KEY, model="gpt-4o-mini", api_version="2024-10-21"
+    )
+    assert dg.materialize([asset()], resources=res, partition_key="2026-11-01").success
+    assert statuses(db) == {"ok": PER_DAY}
+    assert bsim.stats()["batches_created"] == 1
+
+
+def test_a_wrong_key_fails_the_run_without_the_key_in_the_message(bsim, db):
+    res = resources(bsim, db)
+    res["llm"] = LLMResource(base_url=bsim.url, api_key="sk-wrong-0123456789", model="gpt-4o-mini")
+    result = dg.materialize(
+        [asset()], resources=res, partition_key="2026-11-01", raise_on_error=False
+    )
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    text = str(failure.event_specific_data.error.message)
+    assert "Incorrect API key" in text and "0123456789" not in text
+    assert bsim.stats().get("batches_created", 0) == 0
+
+
+def test_cancelled_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
+    batch_config(bsim, completion_s=4.0)
+    submitted = materialize(asset(wait=False), bsim, db)
+    [batch_id] = metadata(submitted)["batch_ids"]
+    time.sleep(2.0)  # about half way: the simulator cancels with the lines it got to
+    req = urllib.request.Request(
+        f"{bsim.url}/batches/{batch_id}/cancel",
+        data=b"",
+        method="POST",
+        headers={"Authorization": f"Bearer {SIM_KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["status"] == "cancelled"
+    done_by_cancelled = bsim.stats()["batch_lines_processed"]
+    assert 0 < done_by_cancelled < PER_DAY
+    batch_config(bsim, completion_s=0.3)
+    assert materialize(asset(), bsim, db).success
+    stats = bsim.stats()
+    assert stats["batch_lines_submitted"] == 2 * PER_DAY - done_by_cancelled
+    assert stats["batch_lines_processed"] == PER_DAY
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_the_batch_client_and_the_simulator_batch_routes_import_no_dagster():
+    """ARCHITECTURE.md: engine/ is a plain async library; simulator/ imports only token counting."""
+    import ast
+    from pathlib import Path
+
+    import batch_llm_assets
+
+    root = Path(batch_llm_assets.__file__).parent
+    allowed = {
+        "engine/batch_api.py": {"errors", "transport", "engine"},
+        "simulator/batch.py": {"engine.tokens", "server"},
+    }
+    for rel, ours in allowed.items():
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.module in ours, f"{rel} imports {'.' * node.level}{node.module}"
+            if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
+                names = [getattr(node, "module", None) or "", *(a.name for a in node.names)]
+                assert not any(n.startswith("dagster") for n in names), rel
