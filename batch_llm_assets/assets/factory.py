@@ -9,14 +9,28 @@ import dagster as dg
 
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
-from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
+from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_table
+from .lineage import asset_kinds, definition_metadata, source_key
 from .metadata import build_metadata
 from .prompt import CompiledPrompt, Prompt
 from .runner import PartitionRun, RunSpec, check_failures
-from .schema import output_schema, output_table
+from .schema import output_table
+from .spec import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_MAX_FAILED_FRACTION,
+    TABLE_PER_PARTITION,
+    LlmBatchSpec,
+    at,
+)
 
-DEFAULT_MAX_FAILED_FRACTION = 0.05
-DEFAULT_CHUNK_ROWS = 1000
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "DEFAULT_MAX_FAILED_FRACTION",
+    "TABLE_PER_PARTITION",
+    "SourceTable",
+    "build_asset_from_spec",
+    "build_llm_batch_asset",
+]
 
 
 @dataclass(frozen=True)
@@ -34,23 +48,20 @@ class SourceTable:
     columns: Sequence[str] = field(default_factory=tuple)
 
 
-TABLE_PER_PARTITION = "{partition_key}"
-
-
 def _slice_for(
-    context: dg.AssetExecutionContext, column: str | None, per_partition: bool
-) -> tuple[SliceFilter, str]:
-    if not context.has_partition_key:
-        return SliceFilter(), "__all__"
-    key = context.partition_key
+    context: dg.AssetExecutionContext, key: str | None, column: str | None, per_partition: bool
+) -> SliceFilter:
+    if key is None:
+        return SliceFilter()
     if per_partition:
-        return SliceFilter(label=key), key
+        return SliceFilter(label=key)
     if column is None:
         raise BatchLLMError(description="A partitioned asset needs source.partition_column.")
-    if isinstance(context.assets_def.partitions_def, dg.TimeWindowPartitionsDefinition):
-        window = context.partition_time_window
-        return SliceFilter(column=column, start=window.start, end=window.end, label=key), key
-    return SliceFilter(column=column, value=key, label=key), key
+    pdef = context.assets_def.partitions_def
+    if isinstance(pdef, dg.TimeWindowPartitionsDefinition):
+        window = pdef.time_window_for_partition_key(key)
+        return SliceFilter(column=column, start=window.start, end=window.end, label=key)
+    return SliceFilter(column=column, value=key, label=key)
 
 
 def build_llm_batch_asset(
@@ -64,6 +75,10 @@ def build_llm_batch_asset(
     partitions_def: dg.PartitionsDefinition | None = None,
     max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    partitions_per_run: int = 1,
+    warehouse_kind: str = "duckdb",
+    provider: str | None = None,
+    pool: str | None = None,
     llm_resource_key: str = "llm",
     warehouse_resource_key: str = "warehouse",
     key_prefix: Sequence[str] | None = None,
@@ -75,87 +90,127 @@ def build_llm_batch_asset(
 ) -> dg.AssetsDefinition:
     """An asset whose partitions each send one chat request per source row and write the answers.
 
-    Checked here, before any run: identifiers (names only, never SQL), the template's syntax and
-    that it names only known columns, and the settings' ranges.
+    Every setting is validated by LlmBatchSpec before any run (identifiers, the template and the
+    columns it names, ranges); an error names the setting ("source.table: Invalid table ...").
+    Add `source_table_spec(asset)` to the Definitions to show the source table upstream.
     """
-    check_identifier(name, "asset")
-    per_partition = source.table.endswith(TABLE_PER_PARTITION)
-    check_table(source.table.replace(TABLE_PER_PARTITION, "t"))
-    check_table(output)
-    check_identifier(source.id_column, "id column")
-    if source.partition_column is not None:
-        check_identifier(source.partition_column, "partition column")
     if isinstance(prompt, str):
         prompt = Prompt(template=prompt)
-    columns = tuple(source.columns) or tuple(sorted(prompt.variables()))
-    for column in columns:
-        check_identifier(column)
-    compiled = CompiledPrompt(prompt, columns)
-    if not 0 <= max_failed_fraction <= 1:
-        raise BatchLLMError(
-            description=f"max_failed_fraction must be within [0, 1], got {max_failed_fraction}"
-        )
-    if chunk_rows < 1:
-        raise BatchLLMError(description=f"chunk_rows must be >= 1, got {chunk_rows}")
-    if partitions_def is None:
-        partitions_def = dg.DailyPartitionsDefinition(start_date="2019-01-01")
-    if source.partition_column is None and not per_partition:
-        raise BatchLLMError(
-            description=f"Asset {name!r} is partitioned: set source.partition_column."
-        )
-    params = dict(params or {})
-    spec = RunSpec(
-        source=SourceRef(source.table, source.id_column, columns, source.partition_column),
-        output=output_table(output),
-        prompt=compiled,
+    spec = LlmBatchSpec.parse(
+        name=name,
+        source={
+            "table": source.table,
+            "id_column": source.id_column,
+            "partition_column": source.partition_column,
+            "columns": list(source.columns),
+        },
+        prompt={"template": prompt.template, "system": prompt.system},
+        output=output,
         model=model,
-        params=params,
+        params=dict(params or {}),
+        max_failed_fraction=max_failed_fraction,
         chunk_rows=chunk_rows,
+        partitions_per_run=partitions_per_run,
+        warehouse_kind=warehouse_kind,
+        provider=provider,
+        pool=pool,
+        llm_resource_key=llm_resource_key,
+        warehouse_resource_key=warehouse_resource_key,
+        key_prefix=list(key_prefix) if key_prefix else None,
+        group_name=group_name,
+        description=description,
+        tags=dict(tags) if tags else None,
+        owners=list(owners) if owners else None,
     )
+    extra = [dg.AssetKey.from_user_string(d) if isinstance(d, str) else d for d in deps or []]
+    return build_asset_from_spec(spec, partitions_def=partitions_def, extra_deps=extra)
+
+
+def build_asset_from_spec(
+    spec: LlmBatchSpec,
+    *,
+    partitions_def: dg.PartitionsDefinition | None = None,
+    extra_deps: Sequence[dg.AssetKey] = (),
+) -> dg.AssetsDefinition:
+    """The asset of a validated spec (the Python builder and the YAML component both end here)."""
+    src = spec.source
+    columns = spec.columns
+    with at("prompt"):
+        compiled = CompiledPrompt(spec.prompt_obj, columns)
+    run_spec = RunSpec(
+        source=SourceRef(src.table, src.id_column, columns, src.partition_column),
+        output=output_table(spec.output),
+        prompt=compiled,
+        model=spec.model,
+        params=dict(spec.params),
+        chunk_rows=spec.chunk_rows,
+    )
+    llm_key, warehouse_key, output = spec.llm_resource_key, spec.warehouse_resource_key, spec.output
+    deps = [
+        *(dg.AssetKey.from_user_string(d) for d in spec.deps or []),
+        *extra_deps,
+        source_key(spec),
+    ]
 
     @dg.asset(
-        name=name,
-        key_prefix=list(key_prefix) if key_prefix else None,
-        partitions_def=partitions_def,
-        required_resource_keys={llm_resource_key, warehouse_resource_key},
-        group_name=group_name,
-        description=description
-        or f"LLM answers for every row of {source.table}, written to {output}.",
-        deps=list(deps or []),
-        tags=dict(tags or {}),
-        owners=list(owners) if owners else None,
-        kinds={"python", "openai"},
-        metadata={
-            "batch_llm/source_table": source.table,
-            "batch_llm/table_per_partition": per_partition,
-            "batch_llm/output_table": output,
-            "batch_llm/prompt_template": prompt.template,
-            "batch_llm/model": model or "(resource default)",
-            "dagster/column_schema": output_schema(source.id_column),
-        },
+        name=spec.name,
+        key_prefix=list(spec.key_prefix) if spec.key_prefix else None,
+        partitions_def=partitions_def or spec.partitions_def(),
+        backfill_policy=spec.backfill_policy(),
+        pool=spec.pool_name,
+        required_resource_keys={llm_key, warehouse_key},
+        group_name=spec.group_name,
+        description=spec.description
+        or f"LLM answers for every row of {src.table}, written to {output}.",
+        deps=list(dict.fromkeys(deps)),
+        tags=dict(spec.tags or {}),
+        owners=list(spec.owners) if spec.owners else None,
+        kinds=asset_kinds(spec),
+        metadata=definition_metadata(spec),
     )
-    def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        llm: LLMResource = getattr(context.resources, llm_resource_key)
-        warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
-        where, partition_key = _slice_for(context, source.partition_column, per_partition)
-        run_spec = spec
-        if per_partition:  # the partition names the table; checked like any table name
-            table = source.table.replace(TABLE_PER_PARTITION, partition_key)
-            check_table(table)
-            run_spec = dataclasses.replace(
-                spec, source=dataclasses.replace(spec.source, table=table)
+    def _asset(context: dg.AssetExecutionContext):
+        llm: LLMResource = getattr(context.resources, llm_key)
+        warehouse: Warehouse = getattr(context.resources, warehouse_key)
+        keys = list(context.partition_keys) if context.assets_def.partitions_def else [None]
+        for key in keys:  # one partition per run by default (the backfill policy)
+            metadata = _run_partition(context, key, llm, warehouse, run_spec, spec)
+            if len(keys) == 1:
+                return dg.MaterializeResult(metadata=metadata)
+            context.log_event(
+                dg.AssetMaterialization(context.asset_key, partition=key, metadata=metadata)
             )
-        try:
-            with warehouse.session() as session:
-                run = PartitionRun(
-                    run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
-                )
-                stats = run.run()
-                row_count = session.count_output(output, partition_key)
-        except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
-            raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
-        metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
-        check_failures(stats, max_failed_fraction, metadata)
-        return dg.MaterializeResult(metadata=metadata)
+        return dg.MaterializeResult(metadata={"partitions": dg.MetadataValue.int(len(keys))})
 
     return _asset
+
+
+def _run_partition(
+    context: dg.AssetExecutionContext,
+    key: str | None,
+    llm: LLMResource,
+    warehouse: Warehouse,
+    run_spec: RunSpec,
+    spec: LlmBatchSpec,
+) -> dict[str, Any]:
+    """Run one partition (or the whole table) and return its materialisation metadata."""
+    src = spec.source
+    where = _slice_for(context, key, src.partition_column, src.per_partition)
+    partition_key = key or "__all__"
+    if src.per_partition:  # the partition names the table; checked like any table name
+        table = src.table.replace(TABLE_PER_PARTITION, partition_key)
+        check_table(table)
+        run_spec = dataclasses.replace(
+            run_spec, source=dataclasses.replace(run_spec.source, table=table)
+        )
+    try:
+        with warehouse.session() as session:
+            run = PartitionRun(
+                run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
+            )
+            stats = run.run()
+            row_count = session.count_output(spec.output, partition_key)
+    except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
+        raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
+    metadata = build_metadata(stats, row_count=row_count, model=run.model, output=spec.output)
+    check_failures(stats, spec.max_failed_fraction, metadata)
+    return metadata

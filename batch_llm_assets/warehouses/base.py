@@ -125,6 +125,12 @@ class WarehouseSession(abc.ABC):
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         """Up to `limit` table names of a dataset (schema), sorted; an error if it is missing."""
 
+    def list_tables_page(self, dataset: str, after: str | None, limit: int) -> list[str]:
+        """Up to `limit` table names sorted after `after` (None: from the first): one page of a
+        listing of any length. This default reads the whole listing; sessions override it."""
+        names = self.list_tables(dataset, 2**31 - 1)
+        return [n for n in names if after is None or n > after][: max(0, limit)]
+
 
 class Warehouse(abc.ABC):
     """A resource that can open a WarehouseSession."""
