@@ -75,7 +75,7 @@ def build_llm_batch_asset(
     partitions_def: dg.PartitionsDefinition | None = None,
     max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    partitions_per_run: int = 1,
+    partitions_per_run: int | None = 1,
     warehouse_kind: str = "duckdb",
     provider: str | None = None,
     pool: str | None = None,
@@ -168,20 +168,71 @@ def build_asset_from_spec(
         kinds=asset_kinds(spec),
         metadata=definition_metadata(spec),
     )
-    def _asset(context: dg.AssetExecutionContext):
+    def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         llm: LLMResource = getattr(context.resources, llm_key)
         warehouse: Warehouse = getattr(context.resources, warehouse_key)
-        keys = list(context.partition_keys) if context.assets_def.partitions_def else [None]
-        for key in keys:  # one partition per run by default (the backfill policy)
-            metadata = _run_partition(context, key, llm, warehouse, run_spec, spec)
-            if len(keys) == 1:
-                return dg.MaterializeResult(metadata=metadata)
-            context.log_event(
-                dg.AssetMaterialization(context.asset_key, partition=key, metadata=metadata)
+        if not context.assets_def.partitions_def or len(context.partition_keys) == 1:
+            key = context.partition_key if context.assets_def.partitions_def else None
+            return dg.MaterializeResult(
+                metadata=_run_partition(context, key, llm, warehouse, run_spec, spec)
             )
-        return dg.MaterializeResult(metadata={"partitions": dg.MetadataValue.int(len(keys))})
+        return _run_range(context, llm, warehouse, run_spec, spec)
 
     return _asset
+
+
+def _run_range(
+    context: dg.AssetExecutionContext,
+    llm: LLMResource,
+    warehouse: Warehouse,
+    run_spec: RunSpec,
+    spec: LlmBatchSpec,
+) -> dg.MaterializeResult:
+    """Several partitions in one run (partitions_per_run > 1, or None for a whole range, as
+    `dg launch --partition-range` needs). Each partition runs on its own and is observed with
+    its own figures; the run's materialization carries their totals (Dagster records it for
+    every partition of the range)."""
+    done: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for key in context.partition_keys:
+        try:
+            metadata = _run_partition(context, key, llm, warehouse, run_spec, spec)
+        except dg.Failure as exc:
+            context.log.error(f"partition {key}: {exc.description}")
+            failed.append(key)
+            continue
+        context.log_event(dg.AssetObservation(context.asset_key, partition=key, metadata=metadata))
+        done.append(metadata)
+    if failed:
+        raise dg.Failure(
+            description=f"{len(failed)} of {len(context.partition_keys)} partitions failed: "
+            f"{', '.join(failed[:10])}. Rerun them to retry only their failed rows."
+        )
+    return dg.MaterializeResult(metadata=range_totals(done))
+
+
+_SUMMED = {"cost_usd", "wall_s", "rate_limit_wait_s"}
+
+
+def range_totals(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One materialization's metadata for several partitions: counts (and cost, time) summed,
+    other figures at their worst (max), text from the last."""
+    totals: dict[str, Any] = {"partitions_in_run": dg.MetadataValue.int(len(parts))}
+    for md in parts:
+        for key, value in md.items():
+            prev = totals.get(key)
+            if isinstance(value, dg.IntMetadataValue) and isinstance(prev, dg.IntMetadataValue):
+                totals[key] = dg.MetadataValue.int(prev.value + value.value)
+            elif isinstance(value, dg.FloatMetadataValue) and isinstance(
+                prev, dg.FloatMetadataValue
+            ):
+                merged = (
+                    prev.value + value.value if key in _SUMMED else max(prev.value, value.value)
+                )
+                totals[key] = dg.MetadataValue.float(merged)
+            else:
+                totals[key] = value
+    return totals
 
 
 def _run_partition(
@@ -212,5 +263,7 @@ def _run_partition(
     except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
         raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
     metadata = build_metadata(stats, row_count=row_count, model=run.model, output=spec.output)
+    if run.served_model and run.served_model != run.model:
+        metadata["served_model"] = dg.MetadataValue.text(run.served_model)
     check_failures(stats, spec.max_failed_fraction, metadata)
     return metadata

@@ -9,6 +9,7 @@ shipped with the package: nothing is downloaded at run time (upgrade genai-price
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,12 @@ def is_local(base_url: str | None, provider: str | None = None) -> bool:
     if provider and provider.lower() in LOCAL_PROVIDERS:
         return True
     host = urlsplit(base_url).hostname if base_url else None
-    return bool(host) and (host in LOCAL_HOSTS or host.endswith(".localhost"))
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback or host == "0.0.0.0"
+    except ValueError:
+        return host in LOCAL_HOSTS or host.endswith(".localhost")
 
 
 def _library_rates(model: str, provider_id: str | None, batch: bool) -> tuple[float, ...] | None:
@@ -132,3 +138,18 @@ def cost_usd(
         + hit * price.cached_input_per_1m
         + (completion or 0) * price.output_per_1m
     ) / 1_000_000
+
+
+def served_model(
+    configured: str, answered: str | None, seen: str | None, logger: Any
+) -> str | None:
+    """The model named in the answers; warns once when it is not the configured one (nor a dated
+    snapshot of it), since the cost was priced for the configured model."""
+    if not answered or answered == seen:
+        return seen or answered
+    if answered != configured and not answered.startswith(configured + "-"):
+        (logger or log).warning(
+            f"The provider answered with model {answered!r}, not the configured {configured!r}: "
+            "rows record the served model; costs use the configured model's price."
+        )
+    return answered

@@ -244,10 +244,11 @@ class LlmBatchSpec(_Spec):
     chunk_rows: int = Field(
         default=DEFAULT_CHUNK_ROWS, description="Rows read and written per chunk (>= 1)."
     )
-    partitions_per_run: int = Field(
+    partitions_per_run: int | None = Field(
         default=1,
-        description="Partitions a backfill puts in one run (the backfill policy): 1 runs each "
-        "partition on its own, so partitions fail, retry and queue independently.",
+        description="Partitions a backfill puts in one run (the backfill policy). 1: each "
+        "partition its own run, so partitions fail, retry and queue independently. None: one "
+        "run for a whole range (what `dg launch --partition-range` needs).",
     )
     warehouse_kind: Literal["duckdb", "bigquery"] = Field(
         default="duckdb",
@@ -308,7 +309,7 @@ class LlmBatchSpec(_Spec):
             fail("max_failed_fraction", f"must be within [0, 1], got {self.max_failed_fraction}")
         if self.chunk_rows < 1:
             fail("chunk_rows", f"must be >= 1, got {self.chunk_rows}")
-        if self.partitions_per_run < 1:
+        if self.partitions_per_run is not None and self.partitions_per_run < 1:
             fail("partitions_per_run", f"must be >= 1, got {self.partitions_per_run}")
         for key in ("llm_resource_key", "warehouse_resource_key"):
             with at(key):
@@ -389,4 +390,6 @@ class LlmBatchSpec(_Spec):
         return self.partitions.build(self.name)
 
     def backfill_policy(self) -> dg.BackfillPolicy:
+        if self.partitions_per_run is None:
+            return dg.BackfillPolicy.single_run()
         return dg.BackfillPolicy.multi_run(self.partitions_per_run)

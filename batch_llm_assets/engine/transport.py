@@ -33,6 +33,8 @@ class ChatResponse:
     prompt_tokens: int | None
     completion_tokens: int | None
     headers: dict[str, str]
+    model: str | None = None  # the model that answered, as the provider names it
+    cached_tokens: int | None = None  # prompt tokens served from the provider's cache
 
 
 class ChatTransport(Protocol):
@@ -71,6 +73,8 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
             headers=headers,
+            model=payload.get("model") if isinstance(payload.get("model"), str) else None,
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(

@@ -162,7 +162,7 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
         DEFAULT_MAX_FAILED_FRACTION
     )
     chunk_rows: Annotated[int, _described("chunk_rows")] = DEFAULT_CHUNK_ROWS
-    partitions_per_run: Annotated[int, _described("partitions_per_run")] = 1
+    partitions_per_run: Annotated[int | None, _described("partitions_per_run")] = 1
     warehouse_kind: Annotated[Literal["duckdb", "bigquery"], _described("warehouse_kind")] = (
         "duckdb"
     )

@@ -1,0 +1,228 @@
+"""The project as Dagster's `dg` CLI sees it: definitions, lineage, kinds, pools, prices.
+
+`dg` runs as a subprocess in the project directory (and in tests/fixtures/dg_project, a dg
+project over the component fixtures), exactly as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import genai_prices
+import pytest
+import yaml
+
+from batch_llm_assets import DuckDBWarehouse, LLMResource
+from batch_llm_assets.assets import (
+    LlmBatchConfigError,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+    cost_usd,
+    price_for,
+    source_table_spec,
+)
+from batch_llm_assets.assets.pricing import served_model
+from batch_llm_assets.demo import INSTANCE_YAML
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_PROJECT = ROOT / "tests" / "fixtures" / "dg_project"
+DG = str(Path(sys.executable).with_name("dg"))
+
+
+def run_dg(cwd: Path, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    home = tmp_path / "dagster_home"
+    home.mkdir(exist_ok=True)
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "PYTHONPATH": os.pathsep.join([str(FIXTURE_PROJECT), str(ROOT)]),
+        "BATCH_LLM_TEST_WEBHOOK": "https://hooks.example.invalid/services/T0/B0/secret",
+        "BATCH_LLM_TEST_GROUP": "research",
+    }
+    proc = subprocess.run(
+        [DG, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def assets_by_key(listing: str) -> dict[str, dict]:
+    return {a["asset_key"]: a for a in json.loads(listing)["assets"]}
+
+
+@pytest.mark.parametrize("project", [ROOT, FIXTURE_PROJECT], ids=["demo", "fixtures"])
+def test_dg_check_defs_loads_the_project(project, tmp_path):
+    out = run_dg(project, "check", "defs", tmp_path=tmp_path)
+    assert "All definitions loaded successfully" in out.stdout + out.stderr
+
+
+def test_dg_list_defs_shows_the_demo_lineage_and_kinds(tmp_path):
+    listing = run_dg(ROOT, "list", "defs", "--json", tmp_path=tmp_path).stdout
+    assets = assets_by_key(listing)
+    llm, source = assets["headline_sentiment"], assets["news_headlines"]
+    assert llm["dependency_keys"] == ["news_headlines"]  # the source table, upstream
+    assert set(llm["kinds"]) == {"duckdb", "openai", "python"}
+    assert source["kinds"] == ["duckdb"] and source["is_executable"] is False
+    jobs = {j["name"] for j in json.loads(listing)["jobs"]}
+    assert "headline_sentiment_job" in jobs
+
+
+def test_dg_list_defs_of_the_fixtures(tmp_path):
+    assets = assets_by_key(
+        run_dg(FIXTURE_PROJECT, "list", "defs", "--json", tmp_path=tmp_path).stdout
+    )
+    assert assets["headline_sentiment"]["dependency_keys"] == ["news_headlines"]
+    # A table per partition ("incoming.{partition_key}"): the dataset is the partitioned source.
+    assert assets["research/incoming_sentiment"]["dependency_keys"] == ["incoming"]
+    assert assets["incoming"]["kinds"] == ["duckdb"]
+
+
+def test_the_asset_definition_records_what_is_known():
+    from batch_llm_assets import definitions
+
+    asset = definitions.headline_sentiment
+    spec = asset.specs_by_key[asset.key]
+    md = spec.metadata
+    assert md["dagster/table_name"] == "news_sentiment"
+    assert md["batch_llm/system_prompt"].startswith("You are a financial news analyst")
+    assert md["batch_llm/params"].data == {"temperature": 0, "max_tokens": 5}
+    assert "batch_llm/model" not in md  # the resource's: recorded per materialization
+    types = {c.name: c.type for c in md["dagster/column_schema"].columns}
+    assert types["cost_usd"] == "DOUBLE" and types["completed_at"] == "TIMESTAMPTZ"
+    (source,) = [s for s in definitions.defs.assets or [] if isinstance(s, dg.AssetSpec)]
+    assert source.metadata["dagster/table_name"] == "news_headlines"
+    assert asset.backfill_policy == dg.BackfillPolicy.single_run()  # dg launch --partition-range
+
+
+def test_pools_per_duckdb_file_and_provider_key_and_the_demo_instance_queues_runs():
+    def build(**kw):
+        return build_llm_batch_asset(
+            name="s",
+            source=SourceTable(table="news", partition_column="day", columns=["headline"]),
+            prompt="{{ headline }}",
+            output="out",
+            **kw,
+        )
+
+    from batch_llm_assets import definitions
+
+    assert definitions.headline_sentiment.op.pool == "duckdb/demo"
+    assert build().op.pool == "duckdb"
+    bq = build(warehouse_kind="bigquery", provider="vllm")
+    assert bq.op.pool == "llm/vllm" and "bigquery" in bq.specs_by_key[bq.key].kinds
+    assert build(warehouse_kind="bigquery", pool="openai/team-key").op.pool == "openai/team-key"
+    assert build().backfill_policy == dg.BackfillPolicy.multi_run(1)  # one run per partition
+    assert build(partitions_per_run=None).backfill_policy == dg.BackfillPolicy.single_run()
+    # The demo instance enforces pools per run: a queued run starts when its pool has a slot.
+    with dg.instance_for_test(overrides=yaml.safe_load(INSTANCE_YAML)) as instance:
+        config = instance.get_concurrency_config().pool_config
+        assert config.pool_granularity.value == "run" and config.default_pool_limit == 1
+
+
+def test_source_table_spec_for_a_python_built_asset():
+    asset = build_llm_batch_asset(
+        name="s",
+        source=SourceTable(table="research.news", partition_column="day", columns=["headline"]),
+        prompt=Prompt(template="{{ headline }}"),
+        output="research.out",
+        warehouse_kind="bigquery",
+    )
+    source = source_table_spec(asset)
+    assert source.key in asset.dependency_keys
+    assert source.key == dg.AssetKey(["research", "news"]) and source.kinds == {"bigquery"}
+    defs = dg.Definitions(
+        assets=[source, asset],
+        resources={"llm": LLMResource(), "warehouse": DuckDBWarehouse(database=":memory:")},
+    )
+    assert defs.get_repository_def().asset_graph.get(asset.key).parent_keys == {source.key}
+
+
+def test_the_builder_names_the_setting_like_the_component():
+    with pytest.raises(LlmBatchConfigError, match=r"^prompt\.template: unknown column 'body'"):
+        build_llm_batch_asset(
+            name="s",
+            source=SourceTable(table="news", partition_column="day", columns=["headline"]),
+            prompt="{{ body }}",
+            output="out",
+        )
+    with pytest.raises(LlmBatchConfigError, match=r"^params\.temperature: must be within"):
+        build_llm_batch_asset(
+            name="s",
+            source=SourceTable(table="news", partition_column="day", columns=["headline"]),
+            prompt="{{ headline }}",
+            output="out",
+            params={"temperature": 9},
+        )
+
+
+# --- prices ------------------------------------------------------------------------------------
+
+
+def library_cost(model: str, **usage: int) -> float:
+    return float(
+        genai_prices.calc_price(
+            genai_prices.Usage(**usage), model, provider_id="openai"
+        ).total_price
+    )
+
+
+@pytest.mark.parametrize(
+    "model, base", [("o3-pro", "o3"), ("gpt-5-pro", "gpt-5"), ("gpt-4o-mini", "gpt-4o")]
+)
+def test_prices_match_models_exactly(model, base):
+    exact, other = price_for(model), price_for(base)
+    assert exact is not None and other is not None
+    assert exact.input_per_1m != other.input_per_1m  # not priced as its base model
+    assert exact.input_per_1m == library_cost(model, input_tokens=1_000_000)
+
+
+def test_prices_of_a_dated_snapshot_cached_tokens_and_batch():
+    snapshot, base = price_for("gpt-4o-mini-2024-07-18"), price_for("gpt-4o-mini")
+    assert snapshot is not None and base is not None
+    assert snapshot.input_per_1m == base.input_per_1m
+    full = cost_usd(base, 10_000, 100)
+    cached = cost_usd(base, 10_000, 100, cached=8_000)
+    assert cached == pytest.approx(
+        library_cost("gpt-4o-mini", input_tokens=10_000, cache_read_tokens=8_000, output_tokens=100)
+    )
+    assert cached < full
+    batch = price_for("gpt-4o-mini", batch=True)
+    assert batch is not None and batch.input_per_1m < base.input_per_1m
+
+
+def test_prices_of_local_servers_configured_and_unknown_models(caplog):
+    local = price_for("gpt-4o-mini", base_url="http://127.0.0.1:8000/v1")
+    assert local is not None and cost_usd(local, 1000, 100) == 0.0
+    assert (
+        price_for("llama-3", base_url="http://gpu-box:8000/v1", provider="vllm").source == "local"
+    )
+    # A hosted profile behind a local gateway is billed.
+    assert price_for("gpt-4o-mini", base_url="http://localhost:4000", provider="openai").source == (
+        "genai-prices"
+    )
+    mine = price_for("sim-1", input_override=1.0, output_override=2.0)
+    assert cost_usd(mine, 1_000_000, 1_000_000) == pytest.approx(3.0)
+    logger = logging.getLogger("test_dg.prices")
+    with caplog.at_level(logging.WARNING, logger="test_dg.prices"):
+        assert price_for("no-such-model-xyz", logger=logger) is None
+        assert price_for("no-such-model-xyz", logger=logger) is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "price_input_per_1m" in warnings[0]  # once, saying how
+
+
+def test_a_different_served_model_warns_once(caplog):
+    logger = logging.getLogger("test_dg.served")
+    with caplog.at_level(logging.WARNING, logger="test_dg.served"):
+        seen = served_model("gpt-4o-mini", "gpt-4o-mini-2024-07-18", None, logger)  # a snapshot
+        assert seen == "gpt-4o-mini-2024-07-18" and not caplog.records
+        seen = served_model("gpt-4o-mini", "llama-3-8b", seen, logger)
+        seen = served_model("gpt-4o-mini", "llama-3-8b", seen, logger)
+    assert seen == "llama-3-8b" and len(caplog.records) == 1
