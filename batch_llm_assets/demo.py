@@ -35,7 +35,7 @@ concurrency:
 telemetry:
   enabled: false
 """
-STOP_GRACE_S = 20.0
+STOP_GRACE_S = 10.0
 ASSET = "headline_sentiment"
 # The simulator plays a provider key with these limits; the resource is told the same.
 DEMO_RPM = 3000

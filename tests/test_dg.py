@@ -9,12 +9,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import dagster as dg
 import genai_prices
+import psutil
 import pytest
 import yaml
 
@@ -226,3 +231,45 @@ def test_a_different_served_model_warns_once(caplog):
         seen = served_model("gpt-4o-mini", "llama-3-8b", seen, logger)
         seen = served_model("gpt-4o-mini", "llama-3-8b", seen, logger)
     assert seen == "llama-3-8b" and len(caplog.records) == 1
+
+
+# --- make dev ----------------------------------------------------------------------------------
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_make_dev_stops_every_child_on_a_signal(signum, tmp_path):
+    """`make dev` (demo.py dev): the webserver, the daemon, code servers, the simulator and
+    Valkey all end when the demo is stopped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "BATCH_LLM_DEMO_DIR": str(tmp_path / "demo")}
+    demo = psutil.Popen(
+        [sys.executable, "-m", "batch_llm_assets.demo", "dev", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:  # up when the webserver answers
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2):
+                    break
+            except OSError:
+                assert demo.poll() is None, "the demo exited while starting"
+                time.sleep(1)
+        else:
+            pytest.fail("dg dev did not start")
+        children = demo.children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "/dg dev" in names and "cli sim" in names  # what must be stopped
+        demo.send_signal(signum)
+        assert demo.wait(60) == 0
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        for p in [demo, *demo.children(recursive=True)] if demo.is_running() else []:
+            p.kill()
