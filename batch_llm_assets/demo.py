@@ -201,8 +201,14 @@ def dev(port: int = 3000) -> int:
         proc = subprocess.Popen(
             [_dg(), "dev", "--port", str(port)], env=env, cwd=PROJECT_DIR, start_new_session=True
         )
+        parent = os.getppid()
         try:
-            return proc.wait()
+            while True:  # also stop when our parent (make) is killed and we are orphaned
+                try:
+                    return proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    if os.getppid() != parent:
+                        return 0
         except KeyboardInterrupt:
             return 0
         finally:
