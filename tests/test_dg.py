@@ -6,6 +6,7 @@ project over the component fixtures), exactly as a user runs it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,9 @@ from batch_llm_assets.assets import (
 )
 from batch_llm_assets.assets.pricing import served_model
 from batch_llm_assets.demo import INSTANCE_YAML
+from batch_llm_assets.demo_data import create_demo_table
+
+from .conftest import SIM_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_PROJECT = ROOT / "tests" / "fixtures" / "dg_project"
@@ -273,3 +277,67 @@ def test_make_dev_stops_every_child_on_a_signal(signum, tmp_path):
     finally:
         for p in [demo, *demo.children(recursive=True)] if demo.is_running() else []:
             p.kill()
+
+
+@pytest.mark.reliability
+def test_a_backfill_queues_on_the_duckdb_pool(sim, tmp_path):
+    """Three partitions through the daemon's run queue, with the demo's instance config and the
+    pool's limit set by the operator step: the runs never overlap and all succeed."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(INSTANCE_YAML)
+    db = str(tmp_path / "w.duckdb")
+    create_demo_table(db, days=3, per_day=20)
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "PYTHONPATH": str(ROOT),
+        "BATCH_LLM_BASE_URL": sim.url,
+        "OPENAI_API_KEY": SIM_KEY,
+        "BATCH_LLM_DUCKDB": db,
+    }
+    bin_dir = Path(sys.executable).parent
+    target = ["-m", "tests.fixtures.pool_defs"]
+
+    def cli(*args: str) -> None:
+        proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    cli(str(bin_dir / "dagster"), "instance", "concurrency", "set", "duckdb/pool-test", "1")
+    cli(
+        str(bin_dir / "dagster"),
+        "job",
+        "backfill",
+        *target,
+        "-j",
+        "pooled_sentiment_job",
+        "--from",
+        "2026-11-01",
+        "--to",
+        "2026-11-03",
+        "--noprompt",
+    )
+    daemon = subprocess.Popen(
+        [str(bin_dir / "dagster-daemon"), "run", *target],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                records = instance.get_run_records()
+                done = [r for r in records if r.dagster_run.status.value in ("SUCCESS", "FAILURE")]
+                if len(records) == 3 and len(done) == 3:
+                    break
+                time.sleep(2)
+            records = sorted(instance.get_run_records(), key=lambda r: r.start_time or 0)
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(30)
+    assert [r.dagster_run.status.value for r in records] == ["SUCCESS"] * 3
+    for earlier, later in itertools.pairwise(records):
+        assert later.start_time >= earlier.end_time  # queued until the pool's slot was free
