@@ -36,6 +36,7 @@ telemetry:
   enabled: false
 """
 STOP_GRACE_S = 10.0
+DEMO_POOL = "duckdb/demo"  # the demo asset's pool (defs/headline_sentiment/defs.yaml)
 ASSET = "headline_sentiment"
 # The simulator plays a provider key with these limits; the resource is told the same.
 DEMO_RPM = 3000
@@ -195,6 +196,16 @@ def dev(port: int = 3000) -> int:
         EmbeddedValkey() as valkey,
     ):
         env = _env(sim, valkey)
+        # Set the pool's limit before any run queues: Dagster applies `default_limit` to a new
+        # pool only after the queue's first pass, which could start a backfill's first runs
+        # together on the DuckDB file.
+        dagster = str(Path(sys.executable).with_name("dagster"))
+        subprocess.run(
+            [dagster, "instance", "concurrency", "set", DEMO_POOL, "1"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         print(f"simulator at {sim.url}, valkey at {valkey.url}; starting dg dev", flush=True)
         # Its own process group: on the way out the webserver, the daemon and the code servers
         # are all stopped together, whatever `dg dev` itself does with the signal.

@@ -35,7 +35,7 @@ from batch_llm_assets.assets import (
     source_table_spec,
 )
 from batch_llm_assets.assets.pricing import served_model
-from batch_llm_assets.demo import INSTANCE_YAML
+from batch_llm_assets.demo import DEMO_POOL, INSTANCE_YAML
 from batch_llm_assets.demo_data import create_demo_table
 
 from .conftest import SIM_KEY
@@ -123,7 +123,7 @@ def test_pools_per_duckdb_file_and_provider_key_and_the_demo_instance_queues_run
 
     from batch_llm_assets import definitions
 
-    assert definitions.headline_sentiment.op.pool == "duckdb/demo"
+    assert definitions.headline_sentiment.op.pool == DEMO_POOL  # the limit make dev sets
     assert build().op.pool == "duckdb"
     bq = build(warehouse_kind="bigquery", provider="vllm")
     assert bq.op.pool == "llm/vllm" and "bigquery" in bq.specs_by_key[bq.key].kinds
