@@ -66,7 +66,8 @@ def llm_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
         try:
             settings[name] = parse(raw)
         except ValueError:
-            raise ValueError(f"{var} must be a {parse.__name__}, got {raw!r}") from None
+            kind = "an integer" if parse is int else "a number"
+            raise ValueError(f"{var} must be {kind}, got {raw!r}") from None
     # The key from the environment at run time; without one (a local server) no EnvVar, which
     # would fail on a missing variable.
     settings["api_key"] = dg.EnvVar("OPENAI_API_KEY") if env.get("OPENAI_API_KEY") else ""

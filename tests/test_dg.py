@@ -341,3 +341,57 @@ def test_a_backfill_queues_on_the_duckdb_pool(sim, tmp_path):
     assert [r.dagster_run.status.value for r in records] == ["SUCCESS"] * 3
     for earlier, later in itertools.pairwise(records):
         assert later.start_time >= earlier.end_time  # queued until the pool's slot was free
+
+
+def test_dg_launch_of_a_partition_range(sim, tmp_path):
+    """The demo asset (one run for a range): each partition observed with its own figures, the
+    materialization carrying their totals."""
+    db = str(tmp_path / "w.duckdb")
+    create_demo_table(db, days=2, per_day=10)
+    extra = {"BATCH_LLM_BASE_URL": sim.url, "OPENAI_API_KEY": SIM_KEY, "BATCH_LLM_DUCKDB": db}
+    os.environ.update(extra)  # run_dg passes os.environ on
+    try:
+        rng = "2026-11-01...2026-11-02"
+        run_dg(
+            ROOT,
+            "launch",
+            "--assets",
+            "headline_sentiment",
+            "--partition-range",
+            rng,
+            tmp_path=tmp_path,
+        )
+    finally:
+        for key in extra:
+            os.environ.pop(key)
+    with dg.DagsterInstance.from_config(str(tmp_path / "dagster_home")) as instance:
+        key = dg.AssetKey("headline_sentiment")
+        observed = instance.fetch_observations(key, limit=10).records
+        per_partition = {r.partition_key: r.asset_observation.metadata for r in observed}
+        assert {k: md["rows_ok"].value for k, md in per_partition.items()} == {
+            "2026-11-01": 10,
+            "2026-11-02": 10,
+        }
+        mat = instance.fetch_materializations(key, limit=1).records[0].asset_materialization
+        assert mat.metadata["rows_ok"].value == 20 and mat.metadata["partitions_in_run"].value == 2
+
+
+def test_the_demo_takes_every_llm_setting_from_the_environment():
+    from batch_llm_assets.definitions import LLM_ENV, llm_settings
+
+    env = {
+        "BATCH_LLM_CONTEXT_WINDOW": "8192",
+        "BATCH_LLM_MAX_CONCURRENCY": "4",
+        "BATCH_LLM_REQUEST_TIMEOUT_S": "12.5",
+        "BATCH_LLM_PRICE_INPUT_PER_1M": "0.1",
+        "BATCH_LLM_PRICE_OUTPUT_PER_1M": "0.2",
+        "BATCH_LLM_PRICE_CACHED_INPUT_PER_1M": "0.05",
+    }
+    settings = llm_settings(env)
+    assert (settings["context_window"], settings["max_concurrency"]) == (8192, 4)
+    assert settings["request_timeout_s"] == 12.5 and settings["price_cached_input_per_1m"] == 0.05
+    assert settings["api_key"] == "" and "redis_url" not in settings  # a local server: none
+    LLMResource(**settings)  # all of them are LLMResource fields
+    assert {"BATCH_LLM_PROVIDER", "BATCH_LLM_CONTEXT_WINDOW"} <= set(LLM_ENV)
+    with pytest.raises(ValueError, match="BATCH_LLM_TPM must be an integer"):
+        llm_settings({"BATCH_LLM_TPM": "lots"})
