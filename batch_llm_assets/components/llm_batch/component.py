@@ -49,6 +49,7 @@ from ...sensors.new_tables import (
 )
 from ...sensors.notifications import build_run_notification_sensors
 from ...sensors.schedules import build_latest_partition_schedule
+from ...warehouses.base import check_identifier
 
 __all__ = ["LlmBatchComponent", "LlmBatchConfigError"]
 
@@ -296,8 +297,6 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
             if getattr(cfg, key) < 1:
                 fail(f"new_tables_sensor.{key}", "must be >= 1")
         with at("new_tables_sensor.dataset"):
-            from ...warehouses.base import check_identifier
-
             check_identifier(cfg.dataset, "dataset")
         with at("new_tables_sensor.table_pattern"):
             try:
