@@ -1,6 +1,7 @@
 """build_llm_batch_asset: a partitioned asset that runs an LLM over every row of a table slice."""
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,22 +153,25 @@ def build_asset_from_spec(
         source_key(spec),
     ]
 
-    @dg.asset(
-        name=spec.name,
-        key_prefix=list(spec.key_prefix) if spec.key_prefix else None,
-        partitions_def=partitions_def or spec.partitions_def(),
-        backfill_policy=spec.backfill_policy(),
-        pool=spec.pool_name,
-        required_resource_keys={llm_key, warehouse_key},
-        group_name=spec.group_name,
-        description=spec.description
-        or f"LLM answers for every row of {src.table}, written to {output}.",
-        deps=list(dict.fromkeys(deps)),
-        tags=dict(spec.tags or {}),
-        owners=list(spec.owners) if spec.owners else None,
-        kinds=asset_kinds(spec),
-        metadata=definition_metadata(spec),
-    )
+    with warnings.catch_warnings():  # backfill_policy is a beta parameter: no noise per load
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        asset = dg.asset(
+            name=spec.name,
+            key_prefix=list(spec.key_prefix) if spec.key_prefix else None,
+            partitions_def=partitions_def or spec.partitions_def(),
+            backfill_policy=spec.backfill_policy(),
+            pool=spec.pool_name,
+            required_resource_keys={llm_key, warehouse_key},
+            group_name=spec.group_name,
+            description=spec.description
+            or f"LLM answers for every row of {src.table}, written to {output}.",
+            deps=list(dict.fromkeys(deps)),
+            tags=dict(spec.tags or {}),
+            owners=list(spec.owners) if spec.owners else None,
+            kinds=asset_kinds(spec),
+            metadata=definition_metadata(spec),
+        )
+
     def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         llm: LLMResource = getattr(context.resources, llm_key)
         warehouse: Warehouse = getattr(context.resources, warehouse_key)
@@ -178,7 +182,9 @@ def build_asset_from_spec(
             )
         return _run_range(context, llm, warehouse, run_spec, spec)
 
-    return _asset
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        return asset(_asset)
 
 
 def _run_range(
