@@ -23,9 +23,9 @@ def load_defs_folder(defs_module: str | ModuleType) -> dg.Definitions:
     one folder per component, each with a defs.yaml), merged into one Definitions.
 
     The same component tree `dg.load_from_defs_folder` builds (`dg.ComponentTree` over the
-    folder), without its need for a [tool.dg.project] table in pyproject.toml, and built at the
-    folder rather than the project root: that skips the catalogue of every installed component
-    type (UI metadata whose discovery imports each registered library, ~2 s per process).
+    folder), usable outside a dg project (tests, other code locations), and built at the folder
+    rather than the project root: that skips the catalogue of every installed component type
+    (UI metadata whose discovery imports each registered library, ~2 s per process).
     The folder needs no __init__.py.
 
     Invalid attributes raise at load; the component's own error (e.g. LlmBatchConfigError,
