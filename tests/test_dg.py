@@ -73,6 +73,17 @@ def test_dg_check_defs_loads_the_project(project, tmp_path):
     assert "All definitions loaded successfully" in out.stdout + out.stderr
 
 
+def test_one_code_location_name_everywhere():
+    import tomllib
+
+    from batch_llm_assets.definitions import CODE_LOCATION
+
+    dg_name = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["dg"]["project"]
+    cloud = yaml.safe_load((ROOT / "dagster_cloud.yaml").read_text())["locations"]
+    assert dg_name["code_location_name"] == CODE_LOCATION == cloud[0]["location_name"]
+    assert cloud[0]["code_source"]["module_name"] == dg_name["code_location_target_module"]
+
+
 def test_dg_list_defs_shows_the_demo_lineage_and_kinds(tmp_path):
     listing = run_dg(ROOT, "list", "defs", "--json", tmp_path=tmp_path).stdout
     assets = assets_by_key(listing)
@@ -270,6 +281,7 @@ def test_make_dev_stops_every_child_on_a_signal(signum, tmp_path):
         children = demo.children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "/dg dev" in names and "cli sim" in names  # what must be stopped
+        assert "--location-name batch-llm-assets" in names
         demo.send_signal(signum)
         assert demo.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=15)
