@@ -8,7 +8,6 @@ from pathlib import Path
 from types import ModuleType
 
 import dagster as dg
-from dagster.components.utils import get_path_from_module
 
 
 def _project_root(folder: Path) -> Path:
@@ -32,7 +31,7 @@ def load_defs_folder(defs_module: str | ModuleType) -> dg.Definitions:
     "prompt.template: unknown column 'body'") is the cause of Dagster's ComponentTreeException.
     """
     module = importlib.import_module(defs_module) if isinstance(defs_module, str) else defs_module
-    folder = get_path_from_module(module)
+    folder = Path(next(iter(module.__path__)))  # a package, with or without __init__.py
     tree = dg.ComponentTree.from_module(defs_module=module, project_root=_project_root(folder))
     with warnings.catch_warnings():  # code references on YAML-declared assets are beta
         warnings.simplefilter("ignore", dg.BetaWarning)
