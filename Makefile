@@ -9,7 +9,7 @@ ifneq ($(TIKTOKEN_DIR),)
 export TIKTOKEN_CACHE_DIR ?= $(abspath $(TIKTOKEN_DIR))
 endif
 
-.PHONY: install test lint format demo dev bench clean
+.PHONY: install test lint format check demo dev bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,11 +35,16 @@ bench: $(STAMP)
 	$(PY) benchmarks/utilization.py --processes 4
 	$(PY) benchmarks/overhead.py
 
+check: $(STAMP)
+	$(VENV)/bin/dg check defs
+
 clean:
 	rm -rf $(VENV) .demo .pytest_cache
 
 demo: $(STAMP)
 	$(PY) -m batch_llm_assets.demo run --partitions 3
 
+# The UI (`dg dev`) with the simulator and Valkey; Ctrl-C or SIGTERM stops every child, and so
+# does killing make itself.
 dev: $(STAMP)
 	$(PY) -m batch_llm_assets.demo dev

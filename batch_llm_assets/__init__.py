@@ -1,6 +1,13 @@
 """batch-llm-assets: run an LLM over every row of a warehouse table, inside the rate limits."""
 
-from .assets import Prompt, SourceTable, build_llm_batch_asset
+from .assets import (
+    LlmBatchConfigError,
+    LlmBatchSpec,
+    Prompt,
+    SourceTable,
+    build_llm_batch_asset,
+    source_table_spec,
+)
 from .engine import ChatRequest, ChatResult, RedisLimiter
 from .resources import DuckDBWarehouse, LLMResource
 
@@ -9,8 +16,11 @@ __all__ = [
     "ChatResult",
     "DuckDBWarehouse",
     "LLMResource",
+    "LlmBatchConfigError",
+    "LlmBatchSpec",
     "Prompt",
     "RedisLimiter",
     "SourceTable",
     "build_llm_batch_asset",
+    "source_table_spec",
 ]

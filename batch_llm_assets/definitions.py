@@ -1,17 +1,30 @@
-"""The code location: the demo asset on embedded defaults (DuckDB file, simulator, Valkey).
+"""The code location `batch-llm-assets`: the demo asset on embedded defaults (DuckDB file,
+simulator, Valkey), or on any provider and Redis the environment names.
 
-The asset, its checks, job and schedule are declared in YAML through LlmBatchComponent
-(defs/headline_sentiment/defs.yaml, loaded with batch_llm_assets.components.load_defs_folder);
-this module adds the resources.
+The asset, its source table, checks, job and schedule are declared in YAML through
+LlmBatchComponent (defs/headline_sentiment/defs.yaml); this module adds the resources, each
+setting read from the environment (unset: the resource's default):
 
-Environment: BATCH_LLM_BASE_URL (default: the simulator at 127.0.0.1:8765), OPENAI_API_KEY,
-BATCH_LLM_MODEL, BATCH_LLM_RPM / BATCH_LLM_TPM (limits of the key), REDIS_URL (shared limiter
-state; unset: a private embedded Valkey per run), BATCH_LLM_DUCKDB (the warehouse file).
+| variable | LLMResource field |
+| --- | --- |
+| BATCH_LLM_BASE_URL | base_url (default: the simulator at 127.0.0.1:8765) |
+| OPENAI_API_KEY | api_key (unset: no key, for a local server) |
+| BATCH_LLM_MODEL | model (default gpt-4o-mini) |
+| BATCH_LLM_PROVIDER | provider profile (openai, azure, gemini, vllm, llama.cpp, ollama) |
+| BATCH_LLM_RPM, BATCH_LLM_TPM | rpm, tpm: the key's limits |
+| BATCH_LLM_CONTEXT_WINDOW | context_window |
+| BATCH_LLM_MAX_CONCURRENCY | max_concurrency |
+| BATCH_LLM_REQUEST_TIMEOUT_S | request_timeout_s |
+| BATCH_LLM_PRICE_INPUT_PER_1M, BATCH_LLM_PRICE_OUTPUT_PER_1M | price_input_per_1m, price_output_per_1m |
+| BATCH_LLM_PRICE_CACHED_INPUT_PER_1M | price_cached_input_per_1m |
+| REDIS_URL | redis_url (unset: a private embedded Valkey per run) |
+| BATCH_LLM_DUCKDB | the DuckDB warehouse file (default .demo/warehouse.duckdb) |
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -20,33 +33,59 @@ from .components import load_defs_folder
 from .resources import LLMResource
 from .resources.duckdb_warehouse import DuckDBWarehouse
 
+CODE_LOCATION = "batch-llm-assets"
+DEFAULT_BASE_URL = "http://127.0.0.1:8765/v1"
 
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
-_resources = {
-    "llm": LLMResource(
-        base_url=os.environ.get("BATCH_LLM_BASE_URL", "http://127.0.0.1:8765/v1"),
-        api_key=dg.EnvVar("OPENAI_API_KEY") if os.environ.get("OPENAI_API_KEY") else "",
-        model=os.environ.get("BATCH_LLM_MODEL", "gpt-4o-mini"),
-        rpm=_int_env("BATCH_LLM_RPM"),
-        tpm=_int_env("BATCH_LLM_TPM"),
-        redis_url=os.environ.get("REDIS_URL") or None,
-        job_key="demo",
-    ),
-    "warehouse": DuckDBWarehouse(
-        database=os.environ.get("BATCH_LLM_DUCKDB", ".demo/warehouse.duckdb")
-    ),
+# Environment variable -> (LLMResource field, parser).
+LLM_ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "BATCH_LLM_BASE_URL": ("base_url", str),
+    "BATCH_LLM_MODEL": ("model", str),
+    "BATCH_LLM_PROVIDER": ("provider", str),
+    "BATCH_LLM_RPM": ("rpm", int),
+    "BATCH_LLM_TPM": ("tpm", int),
+    "BATCH_LLM_CONTEXT_WINDOW": ("context_window", int),
+    "BATCH_LLM_MAX_CONCURRENCY": ("max_concurrency", int),
+    "BATCH_LLM_REQUEST_TIMEOUT_S": ("request_timeout_s", float),
+    "BATCH_LLM_PRICE_INPUT_PER_1M": ("price_input_per_1m", float),
+    "BATCH_LLM_PRICE_OUTPUT_PER_1M": ("price_output_per_1m", float),
+    "BATCH_LLM_PRICE_CACHED_INPUT_PER_1M": ("price_cached_input_per_1m", float),
+    "REDIS_URL": ("redis_url", str),
 }
 
 
-def _load() -> tuple[dg.Definitions, dg.AssetsDefinition, Any]:
-    """The YAML-declared defs plus the resources; and the demo asset and its job in them.
+def llm_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """LLMResource settings from the environment; a bad value names its variable."""
+    env = os.environ if environ is None else environ
+    settings: dict[str, Any] = {"base_url": DEFAULT_BASE_URL, "model": "gpt-4o-mini"}
+    for var, (name, parse) in LLM_ENV.items():
+        raw = env.get(var, "").strip()
+        if not raw:
+            continue
+        if name not in LLMResource.model_fields:
+            raise ValueError(f"{var} is set but this version's LLMResource has no {name!r}")
+        try:
+            settings[name] = parse(raw)
+        except ValueError:
+            kind = "an integer" if parse is int else "a number"
+            raise ValueError(f"{var} must be {kind}, got {raw!r}") from None
+    # The key from the environment at run time; without one (a local server) no EnvVar, which
+    # would fail on a missing variable.
+    settings["api_key"] = dg.EnvVar("OPENAI_API_KEY") if env.get("OPENAI_API_KEY") else ""
+    settings["job_key"] = "demo"
+    return settings
 
-    (A local: dagster's `-m` loader accepts one Definitions object at module scope, `defs`.)
-    """
+
+def _resources() -> dict[str, Any]:
+    return {
+        "llm": LLMResource(**llm_settings()),
+        "warehouse": DuckDBWarehouse(
+            database=os.environ.get("BATCH_LLM_DUCKDB", ".demo/warehouse.duckdb")
+        ),
+    }
+
+
+def _load() -> tuple[dg.Definitions, dg.AssetsDefinition, Any]:
+    """The YAML-declared defs plus the resources; and the demo asset and its job in them."""
     component_defs = load_defs_folder("batch_llm_assets.defs")
     key = dg.AssetKey("headline_sentiment")
     asset = next(
@@ -55,10 +94,10 @@ def _load() -> tuple[dg.Definitions, dg.AssetsDefinition, Any]:
         if isinstance(a, dg.AssetsDefinition) and key in a.keys
     )
     job = next(j for j in component_defs.jobs or [] if j.name == "headline_sentiment_job")
-    return dg.Definitions.merge(component_defs, dg.Definitions(resources=_resources)), asset, job
+    return dg.Definitions.merge(component_defs, dg.Definitions(resources=_resources())), asset, job
 
 
 # `headline_sentiment` (the asset) and `headline_sentiment_job` (its partitioned job, which the
-# schedule targets; for `dagster job backfill`) are kept by name for tests and scripts.
+# schedule targets) are kept by name for tests and scripts.
 defs, headline_sentiment, headline_sentiment_job = _load()
 demo_partitions = headline_sentiment.partitions_def

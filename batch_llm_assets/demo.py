@@ -1,7 +1,11 @@
 """`make demo` and `make dev`: the demo asset on embedded defaults, end to end.
 
-python -m batch_llm_assets.demo run [--partitions 3]   # materialise through the dagster CLI
-python -m batch_llm_assets.demo dev                    # the same code location in `dagster dev`
+python -m batch_llm_assets.demo run [--partitions 3]   # materialise each partition with `dg launch`
+python -m batch_llm_assets.demo dev                    # the same code location in `dg dev`
+
+The Dagster instance lives under .demo/dagster_home (BATCH_LLM_DEMO_DIR moves .demo); its
+dagster.yaml queues runs on concurrency pools (limit 1 each), so a backfill from the UI waits
+for the DuckDB file instead of failing on its lock.
 """
 
 from __future__ import annotations
@@ -20,7 +24,19 @@ from .demo_data import DEMO_START, create_demo_table
 from .engine.valkey import EmbeddedValkey
 from .simulator import SimulatorProcess
 
-DEMO_DIR = Path(".demo")
+DEMO_DIR = Path(os.environ.get("BATCH_LLM_DEMO_DIR", ".demo"))
+PROJECT_DIR = Path(__file__).resolve().parent.parent  # where pyproject.toml's [tool.dg] is
+# Pools enforced per run: a queued run starts only when its pool has a free slot.
+INSTANCE_YAML = """\
+concurrency:
+  pools:
+    granularity: run
+    default_limit: 1
+telemetry:
+  enabled: false
+"""
+STOP_GRACE_S = 10.0
+DEMO_POOL = "duckdb/demo"  # the demo asset's pool (defs/headline_sentiment/defs.yaml)
 ASSET = "headline_sentiment"
 # The simulator plays a provider key with these limits; the resource is told the same.
 DEMO_RPM = 3000
@@ -30,7 +46,7 @@ DEMO_TPM = 120_000
 def _env(sim: SimulatorProcess, valkey: EmbeddedValkey) -> dict[str, str]:
     home = DEMO_DIR / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
-    (home / "dagster.yaml").touch()  # an instance on local storage under .demo/
+    (home / "dagster.yaml").write_text(INSTANCE_YAML)  # local storage under .demo/
     return {
         **os.environ,
         "DAGSTER_HOME": str(home.resolve()),
@@ -75,21 +91,9 @@ def run(partitions: int) -> int:
         for key in keys:
             before = sim.stats()
             started = time.monotonic()
-            cmd = [
-                sys.executable,
-                "-m",
-                "dagster",
-                "asset",
-                "materialize",
-                "-m",
-                "batch_llm_assets.definitions",
-                "--select",
-                ASSET,
-                "--partition",
-                key,
-            ]
-            print(f"$ dagster asset materialize --select {ASSET} --partition {key}", flush=True)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            cmd = [_dg(), "launch", "--assets", ASSET, "--partition", key]
+            print(f"$ dg launch --assets {ASSET} --partition {key}", flush=True)
+            proc = subprocess.run(cmd, env=env, cwd=PROJECT_DIR, capture_output=True, text=True)
             elapsed = time.monotonic() - started
             if proc.returncode != 0:
                 sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -179,23 +183,69 @@ def _print_table(rows: list[dict]) -> None:
     )
 
 
-def dev() -> int:
+def _dg() -> str:
+    """The `dg` installed beside this Python (the venv's), else the one on PATH."""
+    local = Path(sys.executable).with_name("dg")
+    return str(local) if local.exists() else "dg"
+
+
+def dev(port: int = 3000) -> int:
     _prepare()
     with (
         SimulatorProcess(rpm=DEMO_RPM, tpm=DEMO_TPM, latency_ms=40) as sim,
         EmbeddedValkey() as valkey,
     ):
         env = _env(sim, valkey)
-        print(f"simulator at {sim.url}, valkey at {valkey.url}; starting dagster dev", flush=True)
-        cmd = [sys.executable, "-m", "dagster", "dev", "-m", "batch_llm_assets.definitions"]
+        # Set the pool's limit before any run queues: Dagster applies `default_limit` to a new
+        # pool only after the queue's first pass, which could start a backfill's first runs
+        # together on the DuckDB file.
+        dagster = str(Path(sys.executable).with_name("dagster"))
+        subprocess.run(
+            [dagster, "instance", "concurrency", "set", DEMO_POOL, "1"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        print(f"simulator at {sim.url}, valkey at {valkey.url}; starting dg dev", flush=True)
+        # Its own process group: on the way out the webserver, the daemon and the code servers
+        # are all stopped together, whatever `dg dev` itself does with the signal.
+        proc = subprocess.Popen(
+            [_dg(), "dev", "--port", str(port)], env=env, cwd=PROJECT_DIR, start_new_session=True
+        )
+        parent = os.getppid()
         try:
-            return subprocess.call(cmd, env=env)
+            while True:  # also stop when our parent (make) is killed and we are orphaned
+                try:
+                    return proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    if os.getppid() != parent:
+                        return 0
         except KeyboardInterrupt:
             return 0
+        finally:
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the whole group, then SIGKILL to whatever is left after the grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # anyone left in the group?
+            except ProcessLookupError:
+                proc.poll()
+                return
+            proc.poll()
+            time.sleep(0.2)
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM too stops the simulator and Valkey on the way out
+    raise KeyboardInterrupt  # SIGTERM too stops dg dev, the simulator and Valkey on the way out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--partitions", type=int, default=3)
-    sub.add_parser("dev")
+    d = sub.add_parser("dev")
+    d.add_argument("--port", type=int, default=3000)
     args = ap.parse_args(argv)
-    return run(args.partitions) if args.cmd == "run" else dev()
+    return run(args.partitions) if args.cmd == "run" else dev(args.port)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from datetime import date, timedelta
 from pathlib import Path
 
 import dagster as dg
+import pydantic
 import pytest
 import yaml
 
@@ -16,7 +17,6 @@ from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable
 from batch_llm_assets.assets import build_llm_batch_asset
 from batch_llm_assets.components import LlmBatchComponent, LlmBatchConfigError, load_defs_folder
 from batch_llm_assets.demo_data import DEMO_DAYS, DEMO_START, create_demo_table
-from batch_llm_assets.engine.errors import BatchLLMError
 
 from .conftest import SIM_KEY
 
@@ -36,15 +36,32 @@ def ok_defs(env) -> dg.Definitions:
     return load_defs_folder(f"{FIXTURES}.component_ok")
 
 
-def load_error(module: str) -> LlmBatchConfigError:
-    """Load a defs folder that must fail; the component's own error, from the cause chain."""
+def error_text(exc: BaseException | None) -> str:
+    """The error behind a failed load: the component's own (LlmBatchConfigError, "path: why"),
+    else the YAML schema's (a pydantic error Dagster reports as "attributes.path at file:line")."""
+    first = exc
+    while exc is not None:
+        if isinstance(exc, LlmBatchConfigError):
+            return exc.description
+        if isinstance(exc, pydantic.ValidationError):
+            return str(exc)
+        exc = exc.__cause__ or exc.__context__
+    raise AssertionError(f"no LlmBatchConfigError nor ValidationError behind {first!r}")
+
+
+def assert_names(text: str, message: str | tuple[str, ...]) -> None:
+    """Our errors start with 'path: why'; the YAML schema's carry the path and the reason."""
+    if isinstance(message, str):
+        assert text.startswith(message), text
+    else:
+        assert all(fragment in text for fragment in message), text
+
+
+def load_error(module: str) -> str:
+    """Load a defs folder that must fail; the error text naming the attribute."""
     with pytest.raises(Exception) as info:
         load_defs_folder(module)
-    exc: BaseException | None = info.value
-    while exc is not None and not isinstance(exc, LlmBatchConfigError):
-        exc = exc.__cause__ or exc.__context__
-    assert exc is not None, f"no LlmBatchConfigError behind {info.value!r}"
-    return exc
+    return error_text(info.value)
 
 
 def by_key(defs: dg.Definitions) -> dict[dg.AssetKey, dg.AssetsDefinition]:
@@ -221,15 +238,13 @@ def test_every_attribute_is_described():
     "fixture, message",
     [
         ("component_bad_unknown_column", "prompt.template: unknown column 'body'"),
-        ("component_bad_missing_table", "source.table: Field required"),
-        ("component_bad_params", "params: Input should be a valid dictionary"),
+        ("component_bad_missing_table", ("attributes.source", ".table", "Field required")),
+        ("component_bad_params", ("attributes.params", "defs.yaml:7", "should be an object")),
         ("component_bad_identifier", "source.id_column: Invalid id column name"),
     ],
 )
 def test_invalid_fixtures_fail_at_load_naming_the_attribute(fixture, message):
-    err = load_error(f"{FIXTURES}.{fixture}")
-    assert err.description.startswith(message)
-    assert isinstance(err, BatchLLMError)  # like the builders' own errors
+    assert_names(load_error(f"{FIXTURES}.{fixture}"), message)
 
 
 GOOD = {
@@ -268,11 +283,14 @@ def load_attributes(tmp_path, monkeypatch):
     "change, message",
     [
         ({"max_failed_fraction": -0.1}, "max_failed_fraction: must be within [0, 1], got -0.1"),
-        ({"max_failed_fraction": "a lot"}, "max_failed_fraction: Input should be a valid number"),
+        (
+            {"max_failed_fraction": "a lot"},
+            ("max_failed_fraction", "Input should be a valid number"),
+        ),
         ({"warn_failed_fraction": 2}, "warn_failed_fraction: must be within [0, 1], got 2"),
-        ({"params": {"n": 3}}, "LlmBatchComponent 'headline_sentiment': params.n is 3"),
+        ({"params": {"n": 3}}, "params.n: is 3"),
         ({"chunk_rows": 0}, "chunk_rows: must be >= 1"),
-        ({"params": "temperature=0"}, "params: Input should be a valid dictionary"),
+        ({"params": "temperature=0"}, ("params", "Input should be a valid dictionary")),
         ({"params": {"temperature": "hot"}}, "params.temperature: must be a number"),
         ({"params": {"temperature": 7}}, "params.temperature: must be within [0, 2], got 7"),
         ({"params": {"max_tokens": 0}}, "params.max_tokens: must be >= 1"),
@@ -290,10 +308,13 @@ def load_attributes(tmp_path, monkeypatch):
             "prompt.system: unknown column 'persona'",
         ),
         ({"prompt": {"template": "{{ headline "}}, "prompt.template: Malformed prompt template"),
-        ({"prompt": {"template": "{{ headline }}", "sytem": "x"}}, "prompt.sytem: unknown"),
-        ({"outptu": "x"}, "outptu: unknown attribute"),
+        (
+            {"prompt": {"template": "{{ headline }}", "sytem": "x"}},
+            ("attributes.prompt", ".sytem", "Extra inputs are not permitted"),
+        ),
+        ({"outptu": "x"}, ("attributes.outptu", "Extra inputs are not permitted")),
         ({"partitions": {"type": "daily"}}, "partitions.start_date: required for type 'daily'"),
-        ({"partitions": {"type": "yearly"}}, "partitions.type: Input should be"),
+        ({"partitions": {"type": "yearly"}}, ("attributes.partitions", ".type", "Input should be")),
         (
             {"partitions": {"type": "daily", "start_date": "2026-11-01", "end_date": "soon"}},
             "partitions.end_date:",
@@ -333,11 +354,7 @@ def load_attributes(tmp_path, monkeypatch):
 def test_invalid_attributes_fail_at_load_naming_the_attribute(load_attributes, change, message):
     with pytest.raises(Exception) as info:
         load_attributes(GOOD | change)
-    exc: BaseException | None = info.value
-    while exc is not None and not isinstance(exc, LlmBatchConfigError):
-        exc = exc.__cause__ or exc.__context__
-    assert exc is not None, f"no LlmBatchConfigError behind {info.value!r}"
-    assert exc.description.startswith(message), exc.description
+    assert_names(error_text(info.value), message)
 
 
 def test_good_attributes_load_and_default_to_daily_partitions(load_attributes):

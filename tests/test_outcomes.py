@@ -306,7 +306,7 @@ def test_no_key_fragment_reaches_logs_metadata_or_the_table(
 
 @pytest.mark.parametrize("params,name", [({"n": 2}, "n"), ({"stream": True}, "stream")])
 def test_parameters_that_break_one_answer_per_row_are_refused_at_load(params, name):
-    with pytest.raises(BatchLLMError, match=rf"params\.{name} is"):
+    with pytest.raises(BatchLLMError, match=rf"params\.{name}: is"):
         asset(params=params)
     asset(params={"n": 1, "stream": False})  # the defaults are fine
 

@@ -87,6 +87,46 @@ def test_new_tables_become_partitions_and_runs_exactly_once(incoming):
         assert first.run_requests[0].run_key == "table:headlines_20261101"
 
 
+def test_the_sensor_sweeps_any_number_of_tables_in_bounded_pages(tmp_path):
+    path = str(tmp_path / "many.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE SCHEMA incoming")
+    names = [f"headlines_2026{i:04d}" for i in range(40)]
+    for name in [*names, "notes", "aaa_other"]:
+        con.execute(f"CREATE TABLE incoming.{name} (id INT, headline VARCHAR)")
+    con.close()
+    sensor = build_new_input_tables_sensor(
+        asset=table_asset(),
+        dataset="incoming",
+        table_pattern=r"headlines_\d{8}",
+        max_tables_per_tick=5,
+        tables_per_page=8,
+    )
+    launched: list[str] = []
+    cursor = None
+    with dg.instance_for_test() as instance:
+        for _ in range(30):
+            result = tick(sensor, instance, path, cursor=cursor)
+            cursor = result.cursor
+            keys = [r.partition_key for r in result.run_requests or []]
+            assert len(keys) <= 5  # bounded work per tick
+            if keys:
+                instance.add_dynamic_partitions("input_tables", keys)  # as the daemon
+            launched += keys
+        assert launched == names  # every table, once, in name order
+        # A table whose name sorts before the cursor is found by the next sweep.
+        con = duckdb.connect(path)
+        con.execute("CREATE TABLE incoming.headlines_20250101 (id INT, headline VARCHAR)")
+        con.close()
+        found = []
+        for _ in range(8):
+            result = tick(sensor, instance, path, cursor=cursor)
+            cursor = result.cursor
+            found += [r.partition_key for r in result.run_requests or []]
+        assert found == ["headlines_20250101"]
+        assert json.loads(cursor)["sweeps"] >= 1
+
+
 def test_a_new_partition_reads_its_whole_table(incoming, fresh_sim):
     asset = table_asset()
     with dg.instance_for_test() as instance:
@@ -238,6 +278,35 @@ def test_notification_posts_the_runs_figures_with_retries(receiver, fresh_sim, t
     assert "failure" in failure and "0 ok, 20 failed" in failure
     for text in (success, failure):
         assert secret not in text and "secret-token" not in text
+
+
+def test_notifications_announce_only_runs_of_their_assets(receiver, fresh_sim, tmp_path):
+    db = str(tmp_path / "w.duckdb")
+    create_demo_table(db, days=1, per_day=5)
+    mine, theirs = (
+        build_run_notification_sensors(
+            webhook_url=receiver, asset_keys=[dg.AssetKey(key)], name_prefix=key
+        )[0]
+        for key in ("sentiment", "someone_else")
+    )
+    resources = {
+        "llm": LLMResource(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1"),
+        "warehouse": DuckDBWarehouse(database=db),
+    }
+    with dg.instance_for_test() as instance:
+        run = dg.materialize(
+            [_daily_asset()], instance=instance, resources=resources, partition_key="2026-11-01"
+        )
+        for sensor in (mine, theirs):
+            sensor(
+                dg.build_run_status_sensor_context(
+                    sensor_name=sensor.name,
+                    dagster_instance=instance,
+                    dagster_run=run.dagster_run,
+                    dagster_event=run.get_run_success_event(),
+                )
+            )
+    assert len(_Receiver.posts) == 1 and "sentiment [2026-11-01]" in _Receiver.posts[0]["text"]
 
 
 def test_checks_belong_to_their_partition_and_warn_below_the_run_threshold(fresh_sim, tmp_path):

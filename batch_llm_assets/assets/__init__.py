@@ -1,16 +1,23 @@
-"""The partitioned LLM batch asset factory, its prompt templates, prices and metadata."""
+"""The partitioned LLM batch asset: its spec, factory, lineage, prompt templates, prices, metadata."""
 
 from .checks import DEFAULT_WARN_FAILED_FRACTION
-from .factory import SourceTable, build_llm_batch_asset
-from .pricing import PRICES_PER_1M, price_for
+from .factory import SourceTable, build_asset_from_spec, build_llm_batch_asset
+from .lineage import source_table_spec
+from .pricing import Price, cost_usd, price_for
 from .prompt import Prompt, PromptError
+from .spec import LlmBatchConfigError, LlmBatchSpec
 
 __all__ = [
     "DEFAULT_WARN_FAILED_FRACTION",
-    "PRICES_PER_1M",
+    "LlmBatchConfigError",
+    "LlmBatchSpec",
+    "Price",
     "Prompt",
     "PromptError",
     "SourceTable",
+    "build_asset_from_spec",
     "build_llm_batch_asset",
+    "cost_usd",
     "price_for",
+    "source_table_spec",
 ]

@@ -1,66 +1,155 @@
-"""What a request cost: USD per 1M input / output tokens of well-known models.
+"""What a request cost, from genai-prices (pydantic's maintained price data, bundled offline).
 
-List prices of standard (not batch, not cached) processing, as published by OpenAI, Azure
-OpenAI (global deployments) and Google in 2025-2026. Prices change: override them per model
-with LLMResource.price_input_per_1m / price_output_per_1m.
+Models are matched exactly as the library lists them (dated snapshots, -pro variants), cached
+input tokens at their own rate, and Batch API prices when asked. A local server (base_url on
+localhost, or a llama.cpp / Ollama / vLLM profile) costs 0 unless prices are set. Unknown
+models cost NULL, with one warning naming LLMResource's price fields. The data is the snapshot
+shipped with the package: nothing is downloaded at run time (upgrade genai-prices for new data).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import genai_prices
 
 log = logging.getLogger(__name__)
 
-PRICES_PER_1M: dict[str, tuple[float, float]] = {
-    # OpenAI and Azure OpenAI
-    "gpt-5": (1.25, 10.00),
-    "gpt-5-mini": (0.25, 2.00),
-    "gpt-5-nano": (0.05, 0.40),
-    "gpt-4.1": (2.00, 8.00),
-    "gpt-4.1-mini": (0.40, 1.60),
-    "gpt-4.1-nano": (0.10, 0.40),
-    "gpt-4o": (2.50, 10.00),
-    "gpt-4o-mini": (0.15, 0.60),
-    "o3": (2.00, 8.00),
-    "o4-mini": (1.10, 4.40),
-    "o3-mini": (1.10, 4.40),
-    "gpt-3.5-turbo": (0.50, 1.50),
-    # Google Gemini (OpenAI-compatible endpoint), prompts up to 200k tokens
-    "gemini-2.5-pro": (1.25, 10.00),
-    "gemini-2.5-flash": (0.30, 2.50),
-    "gemini-2.5-flash-lite": (0.10, 0.40),
-    "gemini-2.0-flash": (0.10, 0.40),
-}
-
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "host.docker.internal"})
+LOCAL_PROVIDERS = frozenset({"llama.cpp", "llamacpp", "ollama", "vllm", "lmstudio", "local"})
+# Our provider profiles -> genai-prices provider ids (else the library guesses from the model).
+_PROVIDER_IDS = {"openai": "openai", "azure": "azure", "gemini": "google", "google": "google"}
+_UNKNOWN_HINT = (
+    "Set price_input_per_1m and price_output_per_1m (and price_cached_input_per_1m) on the LLM "
+    "resource to record costs."
+)
 _warned: set[str] = set()
 
 
+@dataclass(frozen=True)
+class Price:
+    """How a model's requests are priced: USD per 1M tokens, from the library or set by hand."""
+
+    model: str
+    source: str  # "genai-prices", "configured" or "local"
+    input_per_1m: float
+    output_per_1m: float
+    cached_input_per_1m: float
+    provider_id: str | None = None
+    batch: bool = False
+
+
+def is_local(base_url: str | None, provider: str | None = None) -> bool:
+    """A server on this machine (or a self-hosted profile): nobody bills per token."""
+    if provider and provider.lower() in LOCAL_PROVIDERS:
+        return True
+    host = urlsplit(base_url).hostname if base_url else None
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback or host == "0.0.0.0"
+    except ValueError:
+        return host in LOCAL_HOSTS or host.endswith(".localhost")
+
+
+def _library_rates(model: str, provider_id: str | None, batch: bool) -> tuple[float, ...] | None:
+    """(input, output, cached input) USD per 1M tokens as genai-prices lists them, or None."""
+    context = {"processing": "batch"} if batch else None
+    try:
+        rates = []
+        for usage in (
+            genai_prices.Usage(input_tokens=1_000_000),
+            genai_prices.Usage(output_tokens=1_000_000),
+            genai_prices.Usage(input_tokens=1_000_000, cache_read_tokens=1_000_000),
+        ):
+            calc = genai_prices.calc_price(
+                usage, model, provider_id=provider_id, price_context=context
+            )
+            rates.append(float(calc.total_price))
+    except LookupError:
+        return None
+    return tuple(rates)
+
+
 def price_for(
-    model: str, *, input_override: float | None = None, output_override: float | None = None
-) -> tuple[float, float] | None:
-    """(input, output) USD per 1M tokens, or None when unknown (then no cost is guessed)."""
-    if input_override is not None and output_override is not None:
-        return input_override, output_override
-    best = max(
-        (m for m in PRICES_PER_1M if model == m or model.startswith(m + "-")), key=len, default=None
+    model: str,
+    *,
+    input_override: float | None = None,
+    output_override: float | None = None,
+    cached_input_override: float | None = None,
+    base_url: str | None = None,
+    provider: str | None = None,
+    batch: bool = False,
+    logger: Any = None,
+) -> Price | None:
+    """How `model`'s requests are priced, or None when unknown (then no cost is guessed).
+
+    Explicit prices win; then an explicit provider profile's list price (a local gateway to a
+    hosted provider is billed); then 0 for a local server; then the library's price by model.
+    """
+    configured = input_override is not None and output_override is not None
+    if configured:
+        cached = cached_input_override if cached_input_override is not None else input_override
+        return Price(model, "configured", input_override, output_override, cached)
+    hosted_profile = provider is not None and provider.lower() in _PROVIDER_IDS
+    if is_local(base_url, provider) and not hosted_profile:
+        return Price(model, "local", input_override or 0.0, output_override or 0.0, 0.0)
+    provider_id = _PROVIDER_IDS.get((provider or "").lower()) or (
+        "openai" if base_url is None or "api.openai.com" in base_url else None
     )
-    if best is None:
+    rates = _library_rates(model, provider_id, batch)
+    if rates is None:
         if model not in _warned:
             _warned.add(model)
-            log.warning(
-                "No price known for model %r: cost_usd is left unknown. Set "
-                "price_input_per_1m and price_output_per_1m on the LLM resource.",
-                model,
+            (logger or log).warning(
+                f"No price known for model {model!r}: cost_usd stays NULL. " + _UNKNOWN_HINT
             )
         return None
-    base_in, base_out = PRICES_PER_1M[best]
-    return (
-        base_in if input_override is None else input_override,
-        base_out if output_override is None else output_override,
+    inp, out, cached = rates
+    return Price(
+        model,
+        "genai-prices",
+        inp if input_override is None else input_override,
+        out if output_override is None else output_override,
+        cached if cached_input_override is None else cached_input_override,
+        provider_id=provider_id,
+        batch=batch,
     )
 
 
-def cost_usd(price: tuple[float, float] | None, prompt: int | None, completion: int | None):
+def cost_usd(
+    price: Price | None,
+    prompt: int | None,
+    completion: int | None,
+    *,
+    cached: int | None = None,
+) -> float | None:
+    """USD of one answer. Cached prompt tokens are billed at the cached rate; reasoning tokens
+    are part of `completion` (OpenAI counts them there) and billed as output."""
     if price is None or prompt is None:
         return None
-    return (prompt * price[0] + (completion or 0) * price[1]) / 1_000_000
+    hit = min(max(cached or 0, 0), prompt)
+    return (
+        (prompt - hit) * price.input_per_1m
+        + hit * price.cached_input_per_1m
+        + (completion or 0) * price.output_per_1m
+    ) / 1_000_000
+
+
+def served_model(
+    configured: str, answered: str | None, seen: str | None, logger: Any
+) -> str | None:
+    """The model named in the answers; warns once when it is not the configured one (nor a dated
+    snapshot of it), since the cost was priced for the configured model."""
+    if not answered or answered == seen:
+        return seen or answered
+    if answered != configured and not answered.startswith(configured + "-"):
+        (logger or log).warning(
+            f"The provider answered with model {answered!r}, not the configured {configured!r}: "
+            "rows record the served model; costs use the configured model's price."
+        )
+    return answered

@@ -18,7 +18,7 @@ from ..engine.identity import request_identity
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
-from .pricing import cost_usd, price_for
+from .pricing import cost_usd, price_for, served_model
 from .prompt import CompiledPrompt
 
 PROGRESS_EVERY_S = 30.0
@@ -97,7 +97,12 @@ class PartitionRun:
             self.model,
             input_override=llm.price_input_per_1m,
             output_override=llm.price_output_per_1m,
+            cached_input_override=llm.price_cached_input_per_1m,
+            base_url=llm.base_url,
+            provider=getattr(llm, "provider", None),
+            logger=log,
         )
+        self.served_model: str | None = None
         self.stats = RunStats(cost_usd=0.0 if self.price is not None else None)
         self.journal = ResultJournal(
             journal_dir or default_journal_dir(),
@@ -157,8 +162,9 @@ class PartitionRun:
                 yield ChatRequest(rid, messages)
 
     def _row(self, r: ChatResult, now: datetime) -> dict[str, Any]:
-        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
+        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens, cached=r.cached_tokens)
         self.stats.add(r, cost)
+        self.served_model = served_model(self.model, r.model, self.served_model, self.log)
         return {
             "id": r.id,
             "partition_key": self.partition_key,
@@ -168,7 +174,7 @@ class PartitionRun:
             "error": redact(r.error_message, self.llm.api_key) if r.error_message else None,
             "finish_reason": r.finish_reason,
             "refusal": r.refusal,
-            "model": self.model,
+            "model": r.model or self.model,
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
             "cost_usd": cost,

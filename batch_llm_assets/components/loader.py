@@ -8,7 +8,6 @@ from pathlib import Path
 from types import ModuleType
 
 import dagster as dg
-from dagster.components.utils import get_path_from_module
 
 
 def _project_root(folder: Path) -> Path:
@@ -23,16 +22,16 @@ def load_defs_folder(defs_module: str | ModuleType) -> dg.Definitions:
     one folder per component, each with a defs.yaml), merged into one Definitions.
 
     The same component tree `dg.load_from_defs_folder` builds (`dg.ComponentTree` over the
-    folder), without its need for a [tool.dg.project] table in pyproject.toml, and built at the
-    folder rather than the project root: that skips the catalogue of every installed component
-    type (UI metadata whose discovery imports each registered library, ~2 s per process).
+    folder), usable outside a dg project (tests, other code locations), and built at the folder
+    rather than the project root: that skips the catalogue of every installed component type
+    (UI metadata whose discovery imports each registered library, ~2 s per process).
     The folder needs no __init__.py.
 
     Invalid attributes raise at load; the component's own error (e.g. LlmBatchConfigError,
     "prompt.template: unknown column 'body'") is the cause of Dagster's ComponentTreeException.
     """
     module = importlib.import_module(defs_module) if isinstance(defs_module, str) else defs_module
-    folder = get_path_from_module(module)
+    folder = Path(next(iter(module.__path__)))  # a package, with or without __init__.py
     tree = dg.ComponentTree.from_module(defs_module=module, project_root=_project_root(folder))
     with warnings.catch_warnings():  # code references on YAML-declared assets are beta
         warnings.simplefilter("ignore", dg.BetaWarning)

@@ -54,6 +54,8 @@ class ChatResult:
     estimated_tokens: int | None = None
     rate_limit_wait_s: float = 0.0
     http_429: int = 0
+    model: str | None = None  # the model named in the answer (may differ from the one asked)
+    cached_tokens: int | None = None  # prompt tokens the provider billed at its cached rate
 
     @property
     def ok(self) -> bool:
@@ -314,6 +316,8 @@ class Engine:
                 estimated_tokens=estimate,
                 rate_limit_wait_s=waited,
                 http_429=n429,
+                model=resp.model,
+                cached_tokens=resp.cached_tokens,
             )
 
     def _deadline(

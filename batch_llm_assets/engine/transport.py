@@ -36,6 +36,8 @@ class ChatResponse:
     refusal: str | None = None  # message.refusal: the model declined (content is then null)
     tool_calls: list[Any] | None = None  # message.tool_calls (or a legacy function_call)
     empty_choices: bool = False  # HTTP 200 with `choices: []`: billable, but no answer
+    model: str | None = None  # the model that answered, as the provider names it
+    cached_tokens: int | None = None  # prompt tokens served from the provider's cache
 
 
 class ChatTransport(Protocol):
@@ -90,6 +92,8 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
             headers=headers,
             refusal=message.get("refusal") or None,
             tool_calls=list(calls) if calls else None,
+            model=payload.get("model") if isinstance(payload.get("model"), str) else None,
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(

@@ -106,11 +106,16 @@ class LLMResource(dg.ConfigurableResource):
     )
     price_input_per_1m: float | None = Field(
         default=None,
-        description="USD per 1M input tokens for this model; None: the built-in price table.",
+        description="USD per 1M input tokens for this model; None: genai-prices' (0 on a local server).",
     )
     price_output_per_1m: float | None = Field(
         default=None,
-        description="USD per 1M output tokens for this model; None: the built-in price table.",
+        description="USD per 1M output tokens for this model; None: genai-prices' (0 on a local server).",
+    )
+    price_cached_input_per_1m: float | None = Field(
+        default=None,
+        description="USD per 1M cached input tokens; None: the price library's, else the "
+        "input price.",
     )
     fatal_error_threshold: int = Field(
         default=C.FATAL_ERROR_THRESHOLD,

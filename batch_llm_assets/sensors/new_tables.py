@@ -12,23 +12,28 @@ from ..engine.errors import BatchLLMError
 from ..warehouses.base import Warehouse, check_identifier
 
 DEFAULT_MAX_TABLES_PER_TICK = 25
-LISTING_LIMIT = 10_000
+DEFAULT_TABLES_PER_PAGE = 1000
 
 
 @dataclass
 class _Cursor:
-    """Small and typed: what the last tick saw. The partitions themselves are the memory."""
+    """Small and typed: where the current sweep of the listing stands. A sweep reads the
+    dataset's tables in name order, one page per tick, then starts over; the partitions
+    themselves remember which tables were launched."""
 
-    v: int = 1
-    tables_seen: int = 0
+    v: int = 2
+    after: str | None = None  # last table name examined in this sweep; None: from the first
+    tables_seen: int = 0  # matching tables seen so far in this sweep
+    sweeps: int = 0  # sweeps completed
     last_added: str | None = None
 
     @classmethod
     def parse(cls, raw: str | None) -> _Cursor:
         try:
-            return cls(**json.loads(raw)) if raw else cls()
+            cursor = cls(**json.loads(raw)) if raw else cls()
         except (ValueError, TypeError):
             return cls()  # unreadable: start afresh; partitions and run keys prevent repeats
+        return cursor if cursor.v == cls.v else cls()
 
 
 def build_new_input_tables_sensor(
@@ -40,14 +45,17 @@ def build_new_input_tables_sensor(
     warehouse_resource_key: str = "warehouse",
     minimum_interval_seconds: int = 60,
     max_tables_per_tick: int = DEFAULT_MAX_TABLES_PER_TICK,
+    tables_per_page: int = DEFAULT_TABLES_PER_PAGE,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.SensorDefinition:
     """Watch `dataset` for tables whose whole name matches `table_pattern` (a regex).
 
     Each new table becomes a partition of `asset` (which must use DynamicPartitionsDefinition,
     typically with source table "dataset.{partition_key}") and one run request keyed by the
-    table, so a table is launched once even if the cursor is lost. At most
-    `max_tables_per_tick` tables are added per tick; the rest wait for the next.
+    table, so a table is launched once even if the cursor is lost. Work per tick is bounded
+    whatever the dataset holds: one page of `tables_per_page` names (read after the cursor's
+    position, so a sweep covers any number of tables over successive ticks) and at most
+    `max_tables_per_tick` new partitions; the rest wait for the next tick.
     """
     check_identifier(dataset, "dataset")
     try:
@@ -64,6 +72,9 @@ def build_new_input_tables_sensor(
         )
     if max_tables_per_tick < 1:
         raise BatchLLMError(description="max_tables_per_tick must be >= 1")
+    if tables_per_page < 1:
+        raise BatchLLMError(description="tables_per_page must be >= 1")
+    partitions_name = partitions_def.name
 
     @dg.sensor(
         name=name or f"{asset.key.path[-1]}_new_input_tables",
@@ -76,20 +87,34 @@ def build_new_input_tables_sensor(
     )
     def _sensor(context: dg.SensorEvaluationContext, **resources: object):
         cursor = _Cursor.parse(context.cursor)
+        if cursor.after is None:
+            cursor.tables_seen = 0
         warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
         try:
             with warehouse.session() as session:
-                tables = session.list_tables(dataset, LISTING_LIMIT)
+                page = session.list_tables_page(dataset, cursor.after, tables_per_page)
         except BatchLLMError as exc:
             context.log.error(str(exc.description))
             return dg.SkipReason(f"Cannot list dataset {dataset!r}: {exc.description}")
-        matching = [t for t in tables if pattern.fullmatch(t)]
-        known = set(context.instance.get_dynamic_partitions(partitions_def.name))
-        new = sorted(t for t in matching if t not in known)[:max_tables_per_tick]
-        cursor.tables_seen = len(matching)
+        new: list[str] = []
+        examined = 0
+        for table in page:
+            examined += 1
+            if not pattern.fullmatch(table):
+                continue
+            cursor.tables_seen += 1
+            if not context.instance.has_dynamic_partition(partitions_name, table):
+                new.append(table)
+                if len(new) >= max_tables_per_tick:
+                    break
+        if examined == len(page) and len(page) < tables_per_page:
+            cursor.after, cursor.sweeps = None, cursor.sweeps + 1  # listing done: start over
+        else:
+            cursor.after = page[examined - 1]
         if not new:
             return dg.SensorResult(
-                skip_reason=f"No new tables among {len(matching)} matching in {dataset}.",
+                skip_reason=f"No new tables among {cursor.tables_seen} matching in {dataset} "
+                "so far in this sweep.",
                 cursor=json.dumps(asdict(cursor)),
             )
         cursor.last_added = new[-1]

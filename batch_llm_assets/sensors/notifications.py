@@ -52,6 +52,18 @@ def _figures(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def _plans(instance: dg.DagsterInstance, run_id: str, keys: frozenset[dg.AssetKey]) -> bool:
+    """Whether the run set out to materialise any of `keys`."""
+    records = instance.get_records_for_run(
+        run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
+    ).records
+    for record in records:
+        event = record.event_log_entry.dagster_event
+        if event is not None and event.asset_key in keys:
+            return True
+    return False
+
+
 def format_message(
     *,
     status: str,
@@ -105,6 +117,7 @@ def build_run_notification_sensors(
     *,
     webhook_url: str,
     monitored_jobs: list[Any] | None = None,
+    asset_keys: list[dg.AssetKey] | None = None,
     dagster_url: str | None = None,
     name_prefix: str = "batch_llm_notify",
     attempts: int = 3,
@@ -113,13 +126,18 @@ def build_run_notification_sensors(
     """Two run-status sensors (success, failure) posting each run's end to `webhook_url`.
 
     Pass the URL from the environment (it holds a token): `os.environ["SLACK_WEBHOOK_URL"]`.
-    The message carries figures only, never resource configuration or keys.
+    The message carries figures only, never resource configuration or keys. With `asset_keys`,
+    only runs that materialise one of them are announced (however they were launched: a job,
+    a backfill, the UI), so components watching every job do not each announce every run.
     """
     if not webhook_url.startswith(("https://", "http://")):
         raise ValueError("webhook_url must be an http(s) URL")
+    watched = frozenset(asset_keys or ())
 
     def notify(context: dg.RunStatusSensorContext, status: str, error: str | None) -> None:
         run = context.dagster_run
+        if watched and not _plans(context.instance, run.run_id, watched):
+            return
         run_url = f"{dagster_url.rstrip('/')}/runs/{run.run_id}" if dagster_url else None
         payload = format_message(
             status=status,

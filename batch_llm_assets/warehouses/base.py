@@ -215,6 +215,12 @@ class WarehouseSession(abc.ABC):
         table does not exist yet. `open_only`: only rows in state uploaded or submitted."""
         raise NotImplementedError(f"{type(self).__name__} does not support batch mode")
 
+    def list_tables_page(self, dataset: str, after: str | None, limit: int) -> list[str]:
+        """Up to `limit` table names sorted after `after` (None: from the first): one page of a
+        listing of any length. This default reads the whole listing; sessions override it."""
+        names = self.list_tables(dataset, 2**31 - 1)
+        return [n for n in names if after is None or n > after][: max(0, limit)]
+
 
 SUMMARY_TOP_ERRORS = 5
 

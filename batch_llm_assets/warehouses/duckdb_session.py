@@ -304,6 +304,9 @@ class DuckDBSession(WarehouseSession):
         return partition_summary_dict(totals, errors)
 
     def list_tables(self, dataset: str, limit: int) -> list[str]:
+        return self.list_tables_page(dataset, None, limit)
+
+    def list_tables_page(self, dataset: str, after: str | None, limit: int) -> list[str]:
         check_identifier(dataset, "dataset (schema)")
         with self._lock:
             exists = self.conn.execute(
@@ -313,8 +316,8 @@ class DuckDBSession(WarehouseSession):
                 raise BatchLLMError(description=f"Dataset (schema) {dataset!r} does not exist.")
             rows = self.conn.execute(
                 "SELECT table_name FROM information_schema.tables WHERE table_schema = ? "
-                "ORDER BY table_name LIMIT ?",
-                [dataset, limit],
+                "AND table_name > ? ORDER BY table_name LIMIT ?",
+                [dataset, after or "", limit],
             ).fetchall()
         return [r[0] for r in rows]
 

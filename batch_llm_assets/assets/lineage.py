@@ -1,0 +1,94 @@
+"""What the asset graph shows: the source table upstream, kinds, table names, typed columns.
+
+The warehouse resource is not known when definitions load, so its kind comes from the spec's
+`warehouse_kind`; the provider's kind from `provider` (default openai).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+
+from .schema import OUTPUT_COLUMNS, output_schema
+from .spec import TABLE_PER_PARTITION, LlmBatchSpec
+
+# Logical output types as each warehouse names them (see warehouses/*_session.py).
+WAREHOUSE_TYPES = {
+    "duckdb": {"string": "VARCHAR", "int": "BIGINT", "float": "DOUBLE", "timestamp": "TIMESTAMPTZ"},
+    "bigquery": {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"},
+}
+SOURCE_TABLE_KEY = "batch_llm/source_table"
+
+
+def source_key(spec: LlmBatchSpec) -> dg.AssetKey:
+    """The source table as an asset key: its dotted parts. A table per partition
+    ('incoming.{partition_key}') is one partitioned source: its dataset."""
+    return _source_key(spec.source.table, spec.name)
+
+
+def _source_key(table: str, asset_name: str) -> dg.AssetKey:
+    parts = table.split(".")
+    if table.endswith(TABLE_PER_PARTITION):
+        parts = parts[:-1] or [f"{asset_name}_source_tables"]
+    return dg.AssetKey(parts)
+
+
+def source_table_spec(asset: dg.AssetsDefinition) -> dg.AssetSpec:
+    """The external asset for the source table of a batch asset, upstream of it in the graph.
+    Its partitions are the asset's when each partition reads its own table."""
+    md = asset.specs_by_key[asset.key].metadata
+    table, per_partition = str(md[SOURCE_TABLE_KEY]), bool(md["batch_llm/table_per_partition"])
+    kind = str(md["batch_llm/warehouse_kind"])
+    return dg.AssetSpec(
+        key=_source_key(table, asset.key.path[-1]),
+        description=(
+            f"One {kind} table per partition: {table}."
+            if per_partition
+            else f"The {kind} table {table}, read by {asset.key.to_user_string()}."
+        ),
+        kinds={kind},
+        group_name=asset.group_names_by_key.get(asset.key),
+        partitions_def=asset.partitions_def if per_partition else None,
+        metadata={"dagster/table_name": table.replace(TABLE_PER_PARTITION, "<partition_key>")},
+    )
+
+
+def asset_kinds(spec: LlmBatchSpec) -> set[str]:
+    return {spec.warehouse_kind, spec.provider_kind, "python"}
+
+
+def column_schema(spec: LlmBatchSpec) -> dg.TableSchema:
+    """The output columns typed as the warehouse names them (the id keeps the source's type)."""
+    types = {c: WAREHOUSE_TYPES[spec.warehouse_kind][t] for c, t in OUTPUT_COLUMNS}
+    src = spec.source
+    cols = [
+        dg.TableColumn(
+            c.name,
+            types.get(c.name, f"type of {src.table}.{src.id_column}"),
+            description=c.description,
+        )
+        for c in output_schema(src.id_column).columns
+    ]
+    return dg.TableSchema(columns=cols)
+
+
+def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:
+    """What is known when definitions load; the resolved model is recorded per materialization."""
+    md: dict[str, Any] = {
+        "dagster/table_name": spec.output,
+        "dagster/column_schema": column_schema(spec),
+        SOURCE_TABLE_KEY: spec.source.table,
+        "batch_llm/table_per_partition": spec.source.per_partition,
+        "batch_llm/output_table": spec.output,
+        "batch_llm/prompt_template": spec.prompt.template,
+        "batch_llm/pool": spec.pool_name,
+        "batch_llm/warehouse_kind": spec.warehouse_kind,
+    }
+    if spec.prompt.system is not None:
+        md["batch_llm/system_prompt"] = spec.prompt.system
+    if spec.model is not None:  # else the resource's: recorded on each materialization
+        md["batch_llm/model"] = spec.model
+    if spec.params:
+        md["batch_llm/params"] = dg.MetadataValue.json(dict(spec.params))
+    return md
