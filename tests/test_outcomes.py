@@ -150,7 +150,9 @@ def test_a_rerun_that_changes_nothing_leaves_a_green_partition_green(fresh_sim, 
     fresh_sim.configure(fail_marker="ZZFAIL")  # those 10 prompts always get a 400
     a = asset(max_failed_fraction=0.05)
     with dg.instance_for_test() as instance:
-        first, second = (run(a, fresh_sim, db, instance=instance) for _ in range(2))
+        # Priced explicitly: the simulator is a local server, which costs nothing by default.
+        priced = {"price_input_per_1m": 0.15, "price_output_per_1m": 0.6}
+        first, second = (run(a, fresh_sim, db, instance=instance, **priced) for _ in range(2))
         assert first.success and second.success  # 10 of 300 failed (3.3 %), both times
         one, two = metadata(first), metadata(second)
         assert one["partition/rows_failed"] == two["partition/rows_failed"] == 10

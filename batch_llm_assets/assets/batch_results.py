@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,24 @@ class BatchRows:
 
     def __init__(self, llm: LLMResource, model: str, partition_key: str, factor: float) -> None:
         price = price_for(
-            model, input_override=llm.price_input_per_1m, output_override=llm.price_output_per_1m
+            model,
+            input_override=llm.price_input_per_1m,
+            output_override=llm.price_output_per_1m,
+            cached_input_override=llm.price_cached_input_per_1m,
+            base_url=llm.base_url,
+            provider=getattr(llm, "provider", None),
+            batch=True,
         )
-        self.price = None if price is None else (price[0] * factor, price[1] * factor)
+        if price is not None and price.source == "configured":
+            # Configured prices are the live ones; the library's batch prices need no factor.
+            price = dataclasses.replace(
+                price,
+                input_per_1m=price.input_per_1m * factor,
+                output_per_1m=price.output_per_1m * factor,
+                cached_input_per_1m=price.cached_input_per_1m * factor,
+                batch=True,
+            )
+        self.price = price
         self.model, self.partition_key = model, partition_key
         self.stats = BatchStats(cost_usd=0.0 if self.price is not None else None)
 

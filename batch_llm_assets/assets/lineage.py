@@ -84,6 +84,7 @@ def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:
         "batch_llm/prompt_template": spec.prompt.template,
         "batch_llm/pool": spec.pool_name,
         "batch_llm/warehouse_kind": spec.warehouse_kind,
+        "batch_llm/mode": spec.mode,
     }
     if spec.prompt.system is not None:
         md["batch_llm/system_prompt"] = spec.prompt.system
