@@ -11,8 +11,8 @@ from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifier, check_table
 from .metadata import build_metadata
-from .prompt import CompiledPrompt, Prompt
-from .runner import PartitionRun, RunSpec, check_failures
+from .pipeline import PartitionRun, RunSpec, check_failures
+from .prompt import DEFAULT_RENDER_TIMEOUT_S, CompiledPrompt, Prompt
 from .schema import output_schema, output_table
 
 DEFAULT_MAX_FAILED_FRACTION = 0.05
@@ -72,11 +72,15 @@ def build_llm_batch_asset(
     deps: Sequence[dg.AssetKey | str] | None = None,
     tags: Mapping[str, str] | None = None,
     owners: Sequence[str] | None = None,
+    render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
+    max_prompt_chars: int | None = None,
 ) -> dg.AssetsDefinition:
     """An asset whose partitions each send one chat request per source row and write the answers.
 
     Checked here, before any run: identifiers (names only, never SQL), the template's syntax and
-    that it names only known columns, and the settings' ranges.
+    that it names only known columns, and the settings' ranges. Rendering one row may take
+    `render_timeout_s` and produce `max_prompt_chars` (None: 8 per token of the model's context
+    window); past either the row fails without being sent.
     """
     check_identifier(name, "asset")
     per_partition = source.table.endswith(TABLE_PER_PARTITION)
@@ -90,7 +94,9 @@ def build_llm_batch_asset(
     columns = tuple(source.columns) or tuple(sorted(prompt.variables()))
     for column in columns:
         check_identifier(column)
-    compiled = CompiledPrompt(prompt, columns)
+    compiled = CompiledPrompt(
+        prompt, columns, render_timeout_s=render_timeout_s, max_prompt_chars=max_prompt_chars
+    )
     if not 0 <= max_failed_fraction <= 1:
         raise BatchLLMError(
             description=f"max_failed_fraction must be within [0, 1], got {max_failed_fraction}"
@@ -148,7 +154,14 @@ def build_llm_batch_asset(
         try:
             with warehouse.session() as session:
                 run = PartitionRun(
-                    run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
+                    run_spec,
+                    llm,
+                    session,
+                    where,
+                    partition_key,
+                    context.log,
+                    warehouse.identity(),
+                    run_id=context.run_id,
                 )
                 stats = run.run()
                 row_count = session.count_output(output, partition_key)

@@ -6,7 +6,7 @@ from typing import Any
 
 import dagster as dg
 
-from .runner import RunStats
+from .pipeline import RunStats
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
