@@ -72,6 +72,8 @@ def fresh_sim(sim):
         jitter=0.2,
         bucket_s=1.0,
         api_key=SIM_KEY,
+        fail_429_every=0,
+        surrogate_every=0,
     )
     sim.reset()
     return sim

@@ -137,6 +137,8 @@ class Engine:
 
         async def worker() -> None:
             nonlocal stopping
+            me = asyncio.current_task()
+            assert me is not None
             try:
                 while not stopping:
                     async with lock:
@@ -149,6 +151,8 @@ class Engine:
                     result = await self.run_one(req)
                     if on_result is not None:
                         on_result(result)
+                    if stopping or me.cancelling():  # the consumer is gone; a library
+                        return  # below may have swallowed the cancel: do not wait on the queue
                     await out.put(result)
             except asyncio.CancelledError:
                 raise
@@ -156,7 +160,8 @@ class Engine:
                 stopping = True
                 await out.put(_WorkerFailed(exc))
                 return
-            await out.put(_DONE)
+            if not me.cancelling():
+                await out.put(_DONE)
 
         tasks = [asyncio.create_task(worker()) for _ in range(n)]
         try:
@@ -171,9 +176,13 @@ class Engine:
                     yield item
         finally:
             stopping = True
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            pending = set(tasks)
+            while pending:
+                for t in pending:
+                    t.cancel()
+                while not out.empty():  # wake any worker blocked on the full queue
+                    out.get_nowait()
+                _, pending = await asyncio.wait(pending, timeout=1.0)
             await _close(source)
 
     def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int, int] | ChatResult:
