@@ -396,6 +396,21 @@ def tiny_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def test_a_read_only_journal_fails_naming_the_path_and_the_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        pytest.fail("mounting a read-only tmpfs needs root (the CI container is root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], check=True)
+    try:
+        journal = ResultJournal(ro, "scope", "pk")
+        with pytest.raises(Exception, match="Read-only file system") as err:
+            journal.append({"id": 1, "status": "ok"})
+        assert str(ro) in err.value.description and "errno 30" in err.value.description
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
 def test_a_full_disk_stops_sending_and_fails_naming_the_journal(fresh_sim, db, tiny_disk):
     fresh_sim.configure(latency_ms=20.0)
     old = os.environ["BATCH_LLM_JOURNAL_DIR"]
