@@ -191,18 +191,22 @@ class PartitionRun:
         self.journal.clear()
 
     # -- the reader thread -------------------------------------------------------------------
-    def _read(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> None:
+    def _read(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[Any],
+        slots: threading.Semaphore,
+    ) -> None:
         """Chunks of the slice -> skip done rows -> render; off the event loop, bounded ahead."""
 
         def put(item: Any) -> None:
-            fut = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
-            while True:
-                try:
-                    return fut.result(timeout=0.2)
-                except TimeoutError:
-                    if self._stop.is_set():
-                        fut.cancel()
-                        raise _Stopped from None
+            while not slots.acquire(timeout=0.2):
+                if self._stop.is_set():
+                    raise _Stopped
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the run's loop is closed: it ended without us
+                raise _Stopped from None
 
         src = self.spec.source
         try:
@@ -217,8 +221,8 @@ class PartitionRun:
             put(_END)
         except _Stopped:
             return
-        except BaseException as exc:
-            with contextlib.suppress(_Stopped, RuntimeError):
+        except BaseException as exc:  # handed to the event loop, raised there
+            with contextlib.suppress(_Stopped):
                 put(_ReaderFailed(exc))
 
     def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> list[ChatRequest]:
@@ -241,14 +245,16 @@ class PartitionRun:
         return batch
 
     async def _requests(self) -> AsyncIterator[ChatRequest]:
-        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=READ_AHEAD_CHUNKS)
+        queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
+        slots = threading.Semaphore(READ_AHEAD_CHUNKS)
         loop = asyncio.get_running_loop()
         # A daemon thread, not the default executor: a run that is stopping never waits for it.
-        reader = threading.Thread(target=self._read, args=(loop, queue), daemon=True)
+        reader = threading.Thread(target=self._read, args=(loop, queue, slots), daemon=True)
         reader.start()
         try:
             while True:
                 batch = await queue.get()
+                slots.release()
                 if batch is _END:
                     return
                 if isinstance(batch, _ReaderFailed):

@@ -139,6 +139,7 @@ class ChunkWriter:
         self._wake.set()
 
     async def run(self) -> None:
+        self._last = time.monotonic()  # the first write, too, carries an interval's answers
         while True:
             while not self.pending:
                 if self._closing:
