@@ -326,7 +326,9 @@ class Simulator:
             return await self._fault(request, fault, headers)
 
         content, completion_tokens, finish = self._answer(messages, model, max_tokens)
-        if cfg.surrogate_every > 0 and (self.counts["answered"] + 1) % cfg.surrogate_every == 0:
+        if cfg.surrogate_every > 0:
+            self.counts["seen_for_surrogate"] += 1
+        if cfg.surrogate_every > 0 and self.counts["seen_for_surrogate"] % cfg.surrogate_every == 0:
             content += "\ud83d"  # valid JSON ("\\ud83d"), not valid Unicode text
             self.counts["fault_surrogate"] += 1
         jitter = 1 + cfg.jitter * (2 * self.rng.random() - 1)
