@@ -81,6 +81,8 @@ def fresh_sim(sim):
         key_echo=None,
         fail_400_key_echo=0.0,
         fail_marker=None,
+        fail_429_every=0,
+        surrogate_every=0,
     )
     sim.reset()
     return sim

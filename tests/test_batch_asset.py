@@ -153,20 +153,48 @@ def test_failures_under_the_threshold_still_succeed(fresh_sim, db):
     result = materialize(asset(max_failed_fraction=0.05), fresh_sim, db)
     assert result.success
     md = metadata(result)
-    assert md["partition/rows_ok"] == 58 and md["partition/rows_failed"] == 2
+    # A NULL printed as it is fails its row; a blank headline still renders a non-blank prompt
+    # ("Headline: ...\nAnswer with one of: ..."), so it is sent: only a blank message is empty.
+    assert md["partition/rows_ok"] == 59 and md["partition/rows_failed"] == 1
     rows = dict(query(db, "SELECT id, error FROM news_sentiment WHERE status = 'failed'"))
-    assert "NULL" in rows[1] and "not sent" in rows[1]
-    assert fresh_sim.stats()["received"] == 58  # the bad rows never reached the provider
+    assert list(rows) == [1] and "NULL" in rows[1] and "not sent" in rows[1]
+    assert fresh_sim.stats()["received"] == 59  # the bad row never reached the provider
     assert not materialize(asset(max_failed_fraction=0.0), fresh_sim, db).success
+
+
+def test_templates_may_handle_nulls_themselves(fresh_sim, db):
+    con = duckdb.connect(db)
+    con.execute("UPDATE news_headlines SET headline = NULL WHERE id IN (1, 2)")
+    con.close()
+    handled = asset(
+        prompt=Prompt(
+            template="{% if headline %}Headline: {{ headline }}{% endif %}"
+            "{{ headline | default('(no headline)') }} Answer with one of: up, down"
+        )
+    )
+    md = metadata(materialize(handled, fresh_sim, db))
+    assert md["rows_ok"] == 60 and md["rows_failed"] == 0
+    # Blank only when the rendered user message is blank: then the row is empty_prompt, unsent.
+    received = fresh_sim.stats()["received"]
+    blank = asset(prompt=Prompt(template="{% if headline %}{{ headline }}{% endif %}"))
+    md = metadata(materialize(blank, fresh_sim, db))
+    assert md["rows_ok"] == 58 and md["rows_failed"] == 2
+    rows = query(db, "SELECT id, error_class FROM news_sentiment WHERE status = 'failed'")
+    assert sorted(rows) == [(1, "empty_prompt"), (2, "empty_prompt")]
+    assert fresh_sim.stats()["received"] == received + 58
 
 
 def test_prompt_over_the_context_window_fails_its_row_only(fresh_sim, db):
     con = duckdb.connect(db)
-    con.execute("UPDATE news_headlines SET headline = repeat('word ', 5000) WHERE id = 3")
+    con.execute("UPDATE news_headlines SET headline = repeat('word ', 2500) WHERE id = 3")
+    # Over 8 characters per token of the window: refused at rendering, never tokenized.
+    con.execute("UPDATE news_headlines SET headline = repeat('word ', 5000) WHERE id = 4")
     con.close()
     md = metadata(materialize(asset(), fresh_sim, db, context_window=2000))
-    assert md["partition/rows_failed"] == 1 and md["partition/rows_ok"] == 59
-    assert query(db, "SELECT error_class FROM news_sentiment WHERE id = 3") == [("context_length",)]
+    assert md["partition/rows_failed"] == 2 and md["partition/rows_ok"] == 58
+    rows = query(db, "SELECT id, error_class FROM news_sentiment WHERE id IN (3, 4) ORDER BY id")
+    assert rows == [(3, "context_length"), (4, "prompt_too_large")]
+    assert fresh_sim.stats()["received"] == 58
 
 
 def test_a_local_server_costs_nothing_unless_priced(fresh_sim, db):

@@ -38,7 +38,7 @@ from ..engine.tokens import count_prompt_tokens, requested_max_tokens
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, WarehouseSession, check_table
 from .batch_results import BATCH_PRICE_FACTOR, BatchRows, BatchStats
-from .runner import RunSpec
+from .pipeline import RunSpec
 
 OPEN_STATES = ("uploaded", "submitted")
 

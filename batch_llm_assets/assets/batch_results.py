@@ -17,8 +17,8 @@ from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, Warehouse
 from .checks import check_results, judge_partition
 from .metadata import build_metadata
+from .pipeline import RunSpec, RunStats
 from .pricing import cost_usd, price_for
-from .runner import RunSpec, RunStats
 
 if TYPE_CHECKING:
     from .batch_mode import BatchSettings

@@ -16,8 +16,8 @@ from .batch_results import materialize_batch_partition
 from .checks import DEFAULT_WARN_FAILED_FRACTION, check_results, check_specs, judge_partition
 from .lineage import asset_kinds, definition_metadata, source_key
 from .metadata import build_metadata
-from .prompt import CompiledPrompt, Prompt
-from .runner import PartitionRun, RunSpec
+from .pipeline import PartitionRun, RunSpec
+from .prompt import DEFAULT_RENDER_TIMEOUT_S, CompiledPrompt, Prompt
 from .schema import output_table
 from .spec import (
     DEFAULT_CHUNK_ROWS,
@@ -83,6 +83,8 @@ def build_llm_batch_asset(
     mode: str = "live",
     batch: BatchSettings | Mapping[str, Any] | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
+    max_prompt_chars: int | None = None,
     partitions_per_run: int | None = 1,
     warehouse_kind: str = "duckdb",
     provider: str | None = None,
@@ -101,6 +103,9 @@ def build_llm_batch_asset(
     Every setting is validated by LlmBatchSpec before any run (identifiers, the template and the
     columns it names, ranges); an error names the setting ("source.table: Invalid table ...").
     Add `source_table_spec(asset)` to the Definitions to show the source table upstream.
+
+    Rendering one row may take `render_timeout_s` and produce `max_prompt_chars` (None: 8 per
+    token of the model's context window); past either the row fails without being sent.
 
     `mode="batch"` sends a partition's pending rows through the provider's Batch API (half
     price, completes within 24 h); `batch` says how (BatchSettings: wait, file limits, ...).
@@ -127,6 +132,8 @@ def build_llm_batch_asset(
         mode=mode,
         batch=dict(batch) if batch is not None else None,
         chunk_rows=chunk_rows,
+        render_timeout_s=render_timeout_s,
+        max_prompt_chars=max_prompt_chars,
         partitions_per_run=partitions_per_run,
         warehouse_kind=warehouse_kind,
         provider=provider,
@@ -153,7 +160,12 @@ def build_asset_from_spec(
     src = spec.source
     columns = spec.columns
     with at("prompt"):
-        compiled = CompiledPrompt(spec.prompt_obj, columns)
+        compiled = CompiledPrompt(
+            spec.prompt_obj,
+            columns,
+            render_timeout_s=spec.render_timeout_s,
+            max_prompt_chars=spec.max_prompt_chars,
+        )
     run_spec = RunSpec(
         source=SourceRef(src.table, src.id_column, columns, src.partition_column),
         output=output_table(spec.output),
@@ -321,7 +333,14 @@ def _run_partition(
     try:
         with warehouse.session() as session:
             run = PartitionRun(
-                run_spec, llm, session, where, partition_key, context.log, warehouse.identity()
+                run_spec,
+                llm,
+                session,
+                where,
+                partition_key,
+                context.log,
+                warehouse.identity(),
+                run_id=context.run_id,
             )
             stats = run.run()
             summary = session.partition_summary(spec.output, partition_key)

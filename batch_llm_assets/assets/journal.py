@@ -1,22 +1,34 @@
 """A local journal of results not yet in the warehouse, so a killed run's answers are not lost.
 
-Every result is appended here the moment it arrives (one line, flushed to the OS: it survives
-SIGKILL, not a power cut); the next run of the same partition writes what it finds into the
-warehouse before sending anything. Without it a crash would lose, and a rerun pay again for,
-every answer since the last chunk was written.
+Every result is appended the moment it arrives (one line, flushed to the OS: it survives SIGKILL,
+not a power cut); the next run of the same partition writes what it finds into the warehouse
+before sending anything. The journal is a series of segment files: the writer starts a new
+segment each time it takes the pending rows, and deletes the segments the warehouse has confirmed,
+so the journal on disk stays about a chunk long, and recovery reads it a chunk at a time.
+Only the holder of the partition's lease (see lease.py) opens it.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import tempfile
-from datetime import datetime
+import uuid
+from collections.abc import Iterator
+from datetime import date, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from ..engine.errors import BatchLLMError
+
 JOURNAL_DIR_ENV = "BATCH_LLM_JOURNAL_DIR"
+
+
+class JournalError(BatchLLMError):
+    """The journal cannot be written (disk full, read-only, no permission): the run stops."""
 
 
 def default_journal_dir() -> Path:
@@ -25,46 +37,170 @@ def default_journal_dir() -> Path:
     )
 
 
+def journal_key(scope: str, partition_key: str) -> str:
+    """The file name stem of one scope (warehouse + output table) and partition."""
+    return hashlib.sha256(f"{scope}|{partition_key}".encode()).hexdigest()[:24]
+
+
 class ResultJournal:
     def __init__(self, directory: Path, scope: str, partition_key: str) -> None:
-        """`scope` names the warehouse and output table; one file per scope and partition."""
-        digest = hashlib.sha256(f"{scope}|{partition_key}".encode()).hexdigest()[:24]
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{digest}.jsonl"
-        self._file = None
+        """`scope` names the warehouse and output table; one journal per scope and partition."""
+        self.directory = directory
+        self.key = journal_key(scope, partition_key)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _error("create the journal directory", directory, exc) from None
+        self.path = directory / f"{self.key}.jsonl"  # the layout before segments: still recovered
+        self._file: Any = None
+        self._segment = self._last_segment()
+        self._committed = self._segment  # segments up to this one are in the warehouse
 
-    def recover(self) -> list[dict[str, Any]]:
-        """Rows left by an earlier run, the last result per id (a torn last line is skipped)."""
-        if not self.path.exists():
-            return []
-        rows: dict[Any, dict[str, Any]] = {}
-        with self.path.open(encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # the line being written when the process died
-                row["completed_at"] = datetime.fromisoformat(row["completed_at"])
-                rows[row["id"]] = row
-        return list(rows.values())
+    # -- segments --------------------------------------------------------------------------
+    def _segment_path(self, n: int) -> Path:
+        return self.directory / f"{self.key}.{n:08d}.jsonl"
 
+    def _segments(self) -> list[Path]:
+        found = sorted(self.directory.glob(f"{self.key}.*.jsonl"))
+        return ([self.path] if self.path.exists() else []) + found
+
+    def _last_segment(self) -> int:
+        numbers = [int(p.name.split(".")[1]) for p in self._segments() if p != self.path]
+        return max(numbers, default=0)
+
+    # -- recovery --------------------------------------------------------------------------
+    def recover_chunks(self, chunk_rows: int) -> Iterator[list[dict[str, Any]]]:
+        """Rows left by an earlier run, oldest first, `chunk_rows` at a time (a torn last line
+        is skipped). Later lines win over earlier ones for the same id, as upserts do."""
+        chunk: dict[Any, dict[str, Any]] = {}
+        for path in self._segments():
+            try:
+                with path.open(encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        row = _decode(line)
+                        if row is None:
+                            continue  # the line being written when the process died
+                        chunk.pop(_id_key(row["id"]), None)
+                        chunk[_id_key(row["id"])] = row
+                        if len(chunk) >= chunk_rows:
+                            yield list(chunk.values())
+                            chunk = {}
+            except OSError as exc:
+                raise _error("read", path, exc) from None
+        if chunk:
+            yield list(chunk.values())
+
+    # -- appending -------------------------------------------------------------------------
     def append(self, row: dict[str, Any]) -> None:
-        if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(row, default=_iso) + "\n")
-        self._file.flush()
+        path = self._segment_path(self._segment)
+        try:
+            if self._file is None:
+                self._segment += 1
+                path = self._segment_path(self._segment)
+                self._file = path.open("a", encoding="utf-8")
+            self._file.write(_encode(row) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            self._abandon()
+            raise _error("append to", path, exc) from None
+
+    def rotate(self) -> int:
+        """End the current segment: rows appended from now on go to a new one. Returns the mark
+        to pass to `commit` once every row appended so far is in the warehouse."""
+        self.close()
+        return self._segment
+
+    def commit(self, mark: int) -> None:
+        """Every row of segments up to `mark` is in the warehouse: delete them."""
+        for n in range(self._committed + 1, mark + 1):
+            self._segment_path(n).unlink(missing_ok=True)
+        self._committed = max(self._committed, mark)
 
     def clear(self) -> None:
+        """Delete every segment (after recovery, or when the run wrote everything)."""
         self.close()
-        self.path.unlink(missing_ok=True)
+        for path in self._segments():
+            path.unlink(missing_ok=True)
+        self._committed = self._segment
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # the error was reported by append
             self._file = None
 
+    def _abandon(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
 
-def _iso(value: Any) -> str:
+
+def _error(action: str, path: Path, exc: OSError) -> JournalError:
+    return JournalError(
+        description=f"Could not {action} the result journal {path}: {exc.strerror or exc} "
+        f"(errno {exc.errno}). Sending stopped; answers already received were kept. Free the "
+        f"disk or fix the permissions of {path.parent} (or set {JOURNAL_DIR_ENV}) and rerun."
+    )
+
+
+# -- typed values ----------------------------------------------------------------------------
+# Ids keep their type across a round trip: JSON has only str, int, float; the rest is tagged.
+
+
+def _tag(value: Any) -> Any:
     if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
+        return {"$dt": value.isoformat()}
+    if isinstance(value, date):
+        return {"$d": value.isoformat()}
+    if isinstance(value, Decimal):
+        return {"$dec": str(value)}
+    if isinstance(value, uuid.UUID):
+        return {"$uuid": str(value)}
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"$b64": base64.b64encode(bytes(value)).decode()}
+    raise TypeError(f"cannot journal a {type(value).__name__}")
+
+
+_UNTAG = {
+    "$dt": datetime.fromisoformat,
+    "$d": date.fromisoformat,
+    "$dec": Decimal,
+    "$uuid": uuid.UUID,
+    "$b64": base64.b64decode,
+}
+
+
+def _untag(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1:
+        ((k, v),) = obj.items()
+        if k in _UNTAG:
+            return _UNTAG[k](v)
+    return obj
+
+
+def _encode(row: dict[str, Any]) -> str:
+    return json.dumps(row, default=_tag)
+
+
+def _decode(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line, object_hook=_untag)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(row, dict) or "id" not in row:
+        return None
+    return row
+
+
+def _id_key(value: Any) -> Any:
+    """A hashable key for an id (a JSON list or dict id, should one come back, as text)."""
+    try:
+        hash(value)
+        return (type(value).__name__, value)
+    except TypeError:
+        return ("json", json.dumps(value, default=str, sort_keys=True))

@@ -13,7 +13,7 @@ from typing import Any
 import dagster as dg
 
 from .checks import failed_fraction
-from .runner import RunStats
+from .pipeline import RunStats
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

@@ -20,7 +20,7 @@ from ..engine.errors import BatchLLMError
 from ..warehouses.base import check_identifier, check_table
 from .batch_mode import BatchSettings
 from .checks import DEFAULT_WARN_FAILED_FRACTION
-from .prompt import Prompt
+from .prompt import DEFAULT_RENDER_TIMEOUT_S, Prompt
 
 TABLE_PER_PARTITION = "{partition_key}"
 DEFAULT_MAX_FAILED_FRACTION = 0.05
@@ -306,6 +306,16 @@ class LlmBatchSpec(_Spec):
     chunk_rows: int = Field(
         default=DEFAULT_CHUNK_ROWS, description="Rows read and written per chunk (>= 1)."
     )
+    render_timeout_s: float = Field(
+        default=DEFAULT_RENDER_TIMEOUT_S,
+        description="Longest time (s) rendering one row's prompt may take; past it the row fails "
+        "prompt_render without being sent.",
+    )
+    max_prompt_chars: int | None = Field(
+        default=None,
+        description="Longest rendered prompt (characters); past it the row fails "
+        "prompt_too_large without being sent. None: 8 per token of the model's context window.",
+    )
     partitions_per_run: int | None = Field(
         default=1,
         description="Partitions a backfill puts in one run (the backfill policy). 1: each "
@@ -373,6 +383,10 @@ class LlmBatchSpec(_Spec):
             fail("warn_failed_fraction", f"must be within [0, 1], got {self.warn_failed_fraction}")
         if self.chunk_rows < 1:
             fail("chunk_rows", f"must be >= 1, got {self.chunk_rows}")
+        if not self.render_timeout_s > 0:
+            fail("render_timeout_s", f"must be > 0, got {self.render_timeout_s}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            fail("max_prompt_chars", f"must be >= 1, got {self.max_prompt_chars}")
         if self.batch is not None:
             if self.mode != "batch":
                 fail("batch", "only used with mode 'batch'")

@@ -7,10 +7,11 @@ sleep once, send, reconcile the reservation with the usage, and retry what can b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,45 +141,75 @@ class Engine:
         return self._fatal
 
     async def map(
-        self, requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest]
+        self,
+        requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest],
+        *,
+        on_result: Callable[[ChatResult], None] | None = None,
     ) -> AsyncIterator[ChatResult]:
         """Yield one result per request, in completion order; at most max_concurrency in flight.
 
         Input is pulled lazily, so memory is bounded by the concurrency, not the batch.
+        `on_result` runs in the worker the moment a result exists (the journal's hook), before
+        it waits on the queue; if it raises, no further request is sent and the error is raised
+        to the consumer. Cancel-safe: an exception in the consumer, `aclose()`, or cancellation
+        cancels the workers at once (nothing awaits in their cleanup), so the run ends promptly.
         """
         source = _aiter(requests)
-        # Bounded: while the consumer is busy (writing a chunk), workers wait instead of piling up.
-        out: asyncio.Queue[ChatResult | None] = asyncio.Queue(maxsize=self.s.max_concurrency)
+        # Bounded: while the consumer is busy, workers wait instead of piling up results.
+        n = max(1, self.s.max_concurrency)
+        out: asyncio.Queue[Any] = asyncio.Queue(maxsize=n)
         lock = asyncio.Lock()
+        stopping = False
 
         async def worker() -> None:
+            nonlocal stopping
+            me = asyncio.current_task()
+            assert me is not None
             try:
-                while True:
+                while not stopping:
                     async with lock:
+                        if stopping:
+                            break
                         try:
                             req = await anext(source)
                         except StopAsyncIteration:
-                            return
-                    await out.put(await self.run_one(req))
-            finally:
-                await out.put(None)
+                            break
+                    result = await self.run_one(req)
+                    if on_result is not None:
+                        on_result(result)
+                    if stopping or me.cancelling():  # the consumer is gone; a library
+                        return  # below may have swallowed the cancel: do not wait on the queue
+                    await out.put(result)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # the source, the hook, or a bug: stop sending, report
+                stopping = True
+                await out.put(_WorkerFailed(exc))
+                return
+            if not me.cancelling():
+                await out.put(_DONE)
 
-        n = max(1, self.s.max_concurrency)
         tasks = [asyncio.create_task(worker()) for _ in range(n)]
         try:
             finished = 0
             while finished < n:
                 item = await out.get()
-                if item is None:
+                if item is _DONE:
                     finished += 1
+                elif isinstance(item, _WorkerFailed):
+                    raise item.exc
                 else:
                     yield item
-            for t in tasks:
-                t.result()  # surface a worker's unexpected exception
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            stopping = True
+            pending = set(tasks)
+            while pending:
+                for t in pending:
+                    t.cancel()
+                while not out.empty():  # wake any worker blocked on the full queue
+                    out.get_nowait()
+                _, pending = await asyncio.wait(pending, timeout=1.0)
+            await _close(source)
 
     def request_body(
         self, messages: list[dict[str, Any]], params: dict[str, Any] | None = None
@@ -386,12 +417,37 @@ def _int(value: str | None) -> int | None:
         return None
 
 
+class _WorkerFailed:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
 async def _aiter(
     items: Iterable[ChatRequest] | AsyncIterable[ChatRequest],
 ) -> AsyncIterator[ChatRequest]:
-    if isinstance(items, AsyncIterable):
-        async for item in items:
-            yield item
-    else:
-        for item in items:
-            yield item
+    """One async view of the input; closes the caller's generator when the batch ends early."""
+    try:
+        if isinstance(items, AsyncIterable):
+            async for item in items:
+                yield item
+        else:
+            for item in items:
+                yield item
+    finally:
+        await _close(items)
+
+
+async def _close(items: Any) -> None:
+    aclose = getattr(items, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+    close = getattr(items, "close", None)
+    if close is not None and aclose is None:
+        with contextlib.suppress(Exception):
+            close()

@@ -232,7 +232,12 @@ class LLMResource(dg.ConfigurableResource):
     async def chat_batch(
         self, requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest]
     ) -> AsyncIterator[ChatResult]:
-        """Yield one ChatResult per request, in completion order."""
+        """Yield one ChatResult per request, in completion order.
+
+        Cancel-safe: when the consumer stops early (an exception, `aclose()`, cancellation),
+        the workers are cancelled, the limiter lease released and the connections closed.
+        """
         async with self.engine() as engine:
-            async for result in engine.map(requests):
-                yield result
+            async with contextlib.aclosing(engine.map(requests)) as results:
+                async for result in results:
+                    yield result

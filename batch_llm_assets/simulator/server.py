@@ -83,6 +83,9 @@ class SimConfig:
     malformed: float = 0.0
     drop: float = 0.0
     api_key: str | None = None
+    fail_429_every: int = 0  # every Nth request that passes the limits gets a 429 (0: never)
+    fail_429_retry_after_s: float = 0.2
+    surrogate_every: int = 0  # every Nth answer ends with a lone UTF-16 surrogate (0: never)
     models: dict[str, int] = field(
         default_factory=lambda: {"sim-1": 16_384, "gpt-4o-mini": 128_000}
     )
@@ -324,6 +327,10 @@ class Simulator:
                 "rate_limit_exceeded",
                 headers,
             )
+        if cfg.fail_429_every > 0:
+            self.counts["seen_for_429"] += 1
+            if self.counts["seen_for_429"] % cfg.fail_429_every == 0:
+                return self._injected_429(model)
         for b, c in ((self.req_bucket, 1), (self.tok_bucket, cost)):
             if b is not None:
                 b.take(c)
@@ -339,6 +346,11 @@ class Simulator:
             return await self._fault(request, fault, headers)
 
         content, completion_tokens, finish = self._answer(messages, model, max_tokens)
+        if cfg.surrogate_every > 0:
+            self.counts["seen_for_surrogate"] += 1
+        if cfg.surrogate_every > 0 and self.counts["seen_for_surrogate"] % cfg.surrogate_every == 0:
+            content += "\ud83d"  # valid JSON ("\\ud83d"), not valid Unicode text
+            self.counts["fault_surrogate"] += 1
         choices = [
             {
                 "index": 0,
@@ -384,6 +396,25 @@ class Simulator:
             return None
         self.counts["rejected_400"] += 1
         return _error(400, message, "invalid_request_error", None)
+
+    def _injected_429(self, model: str) -> web.Response:
+        """A deterministic 429 (fail_429_every), as if another client had emptied the bucket."""
+        wait = self.config.fail_429_retry_after_s
+        self.counts["rate_limited"] += 1
+        self.counts["fault_429"] += 1
+        self.per_second[int(time.time())][2] += 1
+        headers = self._limit_headers() | {
+            "retry-after-ms": str(max(1, round(wait * 1000))),
+            "retry-after": str(max(1, round(wait))),
+        }
+        return _error(
+            429,
+            f"Rate limit reached for {model} on requests per min. Please try again in "
+            f"{openai_duration(wait)}.",
+            "requests",
+            "rate_limit_exceeded",
+            headers,
+        )
 
     def _draw_fault(self) -> str | None:
         cfg = self.config

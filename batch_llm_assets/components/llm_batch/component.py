@@ -170,6 +170,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     mode: Annotated[Literal["live", "batch"], _described("mode")] = "live"
     batch: Annotated[BatchSpec | None, _described("batch")] = None
     chunk_rows: Annotated[int, _described("chunk_rows")] = DEFAULT_CHUNK_ROWS
+    render_timeout_s: Annotated[float, _described("render_timeout_s")] = 1.0
+    max_prompt_chars: Annotated[int | None, _described("max_prompt_chars")] = None
     partitions_per_run: Annotated[int | None, _described("partitions_per_run")] = 1
     warehouse_kind: Annotated[Literal["duckdb", "bigquery"], _described("warehouse_kind")] = (
         "duckdb"

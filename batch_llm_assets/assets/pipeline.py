@@ -1,0 +1,400 @@
+"""One partition run, flowing one way: reader -> render -> engine workers -> journal -> writer.
+
+    reader thread    chunks of the slice, skip-done lookup, render (bounded)  -> request queue
+    engine workers   acquire, send, parse; the journal gets each answer at once (on_result)
+    consumer         counts and logs progress; never waits for a write
+    writer task      drains the pending rows into the warehouse in chunks (writer.py)
+
+The partition is leased first (lease.py): a second run of it fails before reading anything. Any
+stage failing (the reader, the journal, the writer, the consumer, SIGTERM) cancels the others
+within seconds; every answer already received is in the journal for the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..engine import errors as E
+from ..engine.engine import ChatRequest, ChatResult, Engine
+from ..engine.errors import redact
+from ..engine.identity import request_identity
+from ..resources.llm import LLMResource
+from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
+from .journal import ResultJournal, default_journal_dir
+from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
+from .pricing import cost_usd, price_for, served_model
+from .prompt import CompiledPrompt
+from .writer import (
+    DEFAULT_MAX_WRITE_ROWS,
+    DEFAULT_WRITE_INTERVAL_S,
+    ChunkWriter,
+    storable_row,
+    write_storable,
+)
+
+PROGRESS_EVERY_S = 30.0
+READ_AHEAD_CHUNKS = 2
+
+
+@dataclass
+class RunStats:
+    rows_in: int = 0
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float | None = 0.0
+    retries: int = 0
+    http_429: int = 0
+    rate_limit_wait_s: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    wall_s: float = 0.0
+    aborted: str | None = None
+
+    @property
+    def processed(self) -> int:
+        return self.ok + self.failed + self.skipped
+
+    def add(self, r: ChatResult, cost: float | None) -> None:
+        if r.ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.errors[r.error_class or "unknown"] += 1
+        self.prompt_tokens += r.prompt_tokens or 0
+        self.completion_tokens += r.completion_tokens or 0
+        if r.prompt_tokens is not None and self.cost_usd is not None:  # billed, even if failed
+            self.cost_usd = None if cost is None else self.cost_usd + cost
+        self.retries += max(0, r.attempts - 1)
+        self.http_429 += r.http_429
+        if r.latency_ms is not None:
+            self.latencies.append(r.latency_ms)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    source: SourceRef
+    output: OutputTable
+    prompt: CompiledPrompt
+    model: str | None
+    params: dict[str, Any]
+    chunk_rows: int
+
+
+class _ReaderFailed:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Stopped(Exception):
+    pass
+
+
+_END = object()
+
+
+class PartitionRun:
+    """Runs one partition. Rows are durable as they arrive; ok rows with the same hash are skipped."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        llm: LLMResource,
+        session: WarehouseSession,
+        where: SliceFilter,
+        partition_key: str,
+        log: Any,
+        warehouse_identity: str = "",
+        journal_dir: Path | None = None,
+        *,
+        run_id: str | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        max_write_rows: int = DEFAULT_MAX_WRITE_ROWS,
+    ) -> None:
+        self.spec = spec
+        self.llm = llm
+        self.db = session
+        self.where = where
+        self.partition_key = partition_key
+        self.log = log
+        self.run_id = run_id
+        self.lease_ttl_s = lease_ttl_s
+        self.max_write_rows = max(max_write_rows, spec.chunk_rows)
+        self.model = spec.model or llm.model
+        self.price = price_for(
+            self.model,
+            input_override=llm.price_input_per_1m,
+            output_override=llm.price_output_per_1m,
+            cached_input_override=llm.price_cached_input_per_1m,
+            base_url=llm.base_url,
+            provider=getattr(llm, "provider", None),
+            logger=log,
+        )
+        self.served_model: str | None = None
+        self._engine: Engine | None = None
+        window = llm.engine_settings(model=spec.model, params=spec.params).context_window
+        self.max_prompt_chars = spec.prompt.max_chars_for(window)
+        self.stats = RunStats(cost_usd=0.0 if self.price is not None else None)
+        self.scope = f"{warehouse_identity}|{spec.output.name}"
+        self.journal_dir = journal_dir or default_journal_dir()
+        self.journal: ResultJournal | None = None
+        self.lease: PartitionLease | None = None
+        self._hashes: dict[Any, str] = {}
+        self._stop = threading.Event()
+
+    # -- checks before any request ---------------------------------------------------------
+    def preflight(self) -> None:
+        src = self.spec.source
+        self.db.check_source(src)
+        rows, dups, null_ids = self.db.slice_stats(src, self.where)
+        if null_ids:
+            raise E.BatchLLMError(
+                description=f"{null_ids} row(s) of {src.table!r} in partition "
+                f"{self.partition_key!r} have a NULL {src.id_column!r} (or a NaN or infinite "
+                "one): an id must key exactly one row, so nothing was sent."
+            )
+        if dups:
+            raise E.BatchLLMError(
+                description=f"Duplicate ids in {src.table!r}.{src.id_column} for partition "
+                f"{self.partition_key!r} (e.g. {dups}); results are keyed by id, so nothing was "
+                "sent. Deduplicate the source or choose a unique id column."
+            )
+        self.stats.rows_in = rows
+        self.db.ensure_output(self.spec.output, src)
+        assert self.journal is not None
+        recovered = 0
+        for chunk in self.journal.recover_chunks(self.spec.chunk_rows):
+            rows_ = [storable_row(r) for r in chunk]
+            write_storable(lambda rs: self.db.write_results(self.spec.output, rs), rows_)
+            recovered += len(chunk)
+        if recovered:
+            self.log.info(
+                f"partition {self.partition_key}: recovered {recovered} results of a run "
+                "that stopped before writing them"
+            )
+        self.journal.clear()
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _read(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[Any],
+        slots: threading.Semaphore,
+    ) -> None:
+        """Chunks of the slice -> skip done rows -> render; off the event loop, bounded ahead."""
+
+        def put(item: Any) -> None:
+            while not slots.acquire(timeout=0.2):
+                if self._stop.is_set():
+                    raise _Stopped
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the run's loop is closed: it ended without us
+                raise _Stopped from None
+
+        src = self.spec.source
+        try:
+            chunks = self.db.read_slice(src, self.where, self.spec.chunk_rows)
+            with contextlib.closing(chunks):
+                for chunk in chunks:
+                    if self._stop.is_set():
+                        return
+                    ids = [r[src.id_column] for r in chunk]
+                    done = self.db.done_hashes(self.spec.output, self.partition_key, ids)
+                    put(self._render(chunk, done))
+            put(_END)
+        except _Stopped:
+            return
+        except BaseException as exc:  # handed to the event loop, raised there
+            with contextlib.suppress(_Stopped):
+                put(_ReaderFailed(exc))
+
+    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> list[ChatRequest]:
+        batch = []
+        id_column = self.spec.source.id_column
+        for row in chunk:
+            if self._stop.is_set():
+                raise _Stopped
+            rid = row[id_column]
+            messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
+            if problem is not None:
+                batch.append(ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent")))
+                continue
+            assert self._engine is not None
+            h = request_identity(
+                self._engine.request_body(messages), self.llm.base_url, self.llm.api_version
+            )
+            if done.get(rid) == h:
+                self.stats.skipped += 1
+                continue
+            self._hashes[rid] = h
+            batch.append(ChatRequest(rid, messages))
+        return batch
+
+    async def _requests(self) -> AsyncIterator[ChatRequest]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
+        slots = threading.Semaphore(READ_AHEAD_CHUNKS)
+        loop = asyncio.get_running_loop()
+        # A daemon thread, not the default executor: a run that is stopping never waits for it.
+        reader = threading.Thread(target=self._read, args=(loop, queue, slots), daemon=True)
+        reader.start()
+        try:
+            while True:
+                batch = await queue.get()
+                slots.release()
+                if batch is _END:
+                    return
+                if isinstance(batch, _ReaderFailed):
+                    raise batch.exc
+                for req in batch:
+                    yield req
+        finally:
+            self._stop.set()
+
+    # -- answers -----------------------------------------------------------------------------
+    def _row(self, r: ChatResult, now: datetime) -> dict[str, Any]:
+        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens, cached=r.cached_tokens)
+        self.stats.add(r, cost)
+        self.served_model = served_model(self.model, r.model, self.served_model, self.log)
+        return storable_row(
+            {
+                "id": r.id,
+                "partition_key": self.partition_key,
+                "response": r.response,
+                "status": r.status,
+                "error_class": r.error_class,
+                "error": redact(r.error_message, self.llm.api_key) if r.error_message else None,
+                "finish_reason": r.finish_reason,
+                "refusal": r.refusal,
+                "model": r.model or self.model,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "cost_usd": cost,
+                "latency_ms": r.latency_ms,
+                "total_ms": r.total_ms,
+                "attempts": r.attempts,
+                "request_hash": self._hashes.pop(r.id, None),
+                "completed_at": now,
+            }
+        )
+
+    def _accept(self, writer: ChunkWriter) -> Any:
+        journal = self.journal
+        assert journal is not None
+
+        def on_result(r: ChatResult) -> None:
+            row = self._row(r, datetime.now(UTC))
+            writer.add(row)  # in memory first: a journal that fails loses nothing received
+            journal.append(row)
+
+        return on_result
+
+    async def _consume(self, engine: Any, writer: ChunkWriter, started: float) -> None:
+        last_log = started
+        next_pct = 10
+        self._engine = engine  # the reader hashes the exact body this engine sends
+        stream = engine.map(self._requests(), on_result=self._accept(writer))
+        async with contextlib.aclosing(stream) as results:
+            async for _ in results:
+                await writer.room()
+                now = time.monotonic()
+                pct = 100 * self.stats.processed / max(1, self.stats.rows_in)
+                if pct >= next_pct or now - last_log >= PROGRESS_EVERY_S:
+                    self._progress(now - started)
+                    last_log = now
+                    next_pct = (int(pct) // 10 + 1) * 10
+        self.stats.aborted = engine.aborted_reason
+        self.stats.rate_limit_wait_s = engine.limiter_wait_s  # wall time, not a sum over rows
+
+    async def _run(self) -> None:
+        started = time.monotonic()
+        assert self.journal is not None and self.lease is not None
+        writer = ChunkWriter(
+            lambda rows: self.db.write_results(self.spec.output, rows),
+            self.journal,
+            interval_s=getattr(self.db, "write_interval_s", DEFAULT_WRITE_INTERVAL_S),
+            max_rows=self.max_write_rows,
+            before_write=self.lease.check,
+        )
+        async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
+            consumer = asyncio.create_task(self._consume(engine, writer, started))
+            writing = asyncio.create_task(writer.run())
+            try:
+                await asyncio.wait({consumer, writing}, return_when=asyncio.FIRST_COMPLETED)
+                if writing.done():  # the writer only ends early when a write failed
+                    raise self._write_failed(writing.exception())
+                if consumer.exception() is None:
+                    await writer.close()
+                    try:
+                        await writing  # everything received is written
+                    except Exception as exc:
+                        raise self._write_failed(exc) from None
+                else:
+                    # The reader, the journal or the consumer failed: stop sending, keep what
+                    # arrived (written now if the warehouse takes it, else in the journal).
+                    await writer.close()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(writing), 30)
+                    consumer.result()
+            finally:
+                self._stop.set()
+                for task in (consumer, writing):
+                    task.cancel()
+                await asyncio.gather(consumer, writing, return_exceptions=True)
+        self.journal.clear()  # everything is in the warehouse now
+        self.stats.wall_s = time.monotonic() - started
+
+    def _write_failed(self, exc: BaseException | None) -> BaseException:
+        if exc is None or isinstance(exc, E.BatchLLMError):
+            return exc or RuntimeError("the writer stopped")
+        journal = self.journal.path.parent if self.journal else "the journal"
+        return E.BatchLLMError(
+            description=f"Writing results to {self.spec.output.name} failed: "
+            f"{type(exc).__name__}: {str(exc)[:500]}. Sending stopped; every answer received is "
+            f"kept in the result journal ({journal}) and is written by the next run of "
+            f"partition {self.partition_key!r}."
+        )
+
+    def _progress(self, elapsed: float) -> None:
+        s = self.stats
+        sent = s.ok + s.failed
+        rate = sent / elapsed if elapsed > 0 else 0.0
+        left = s.rows_in - s.processed
+        eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
+        self.log.info(
+            f"partition {self.partition_key}: {s.processed}/{s.rows_in} rows "
+            f"({s.ok} ok, {s.failed} failed, {s.skipped} skipped), {rate:.1f} rows/s, ETA {eta}"
+        )
+
+    def run(self) -> RunStats:
+        """Lease the partition, recover and check, then run; the lease is held throughout."""
+        journal = ResultJournal(self.journal_dir, self.scope, self.partition_key)
+        with partition_lease(
+            name=journal.key,
+            label=f"{self.partition_key!r} of {self.spec.output.name}",
+            run_id=self.run_id,
+            lock_dir=self.journal_dir,
+            redis_url=self.llm.redis_url,
+            ttl_s=self.lease_ttl_s,
+        ) as lease:
+            self.lease = lease
+            self.journal = journal
+            try:
+                self.preflight()
+                asyncio.run(self._run())
+            finally:
+                journal.close()
+        return self.stats
