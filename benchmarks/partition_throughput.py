@@ -133,7 +133,7 @@ def main() -> None:
                 raise_on_error=True,
             )
         md = result.asset_materializations_for_node("bench")[0].metadata
-        ok = md["rows_ok"].value
+        ok = md["run/rows_ok"].value
     if ok != args.rows:
         raise SystemExit(f"only {ok} of {args.rows} rows ok")
     rows_per_s = args.rows / (SPAN[1] - SPAN[0])

@@ -173,12 +173,12 @@ def test_templates_may_handle_nulls_themselves(fresh_sim, db):
         )
     )
     md = metadata(materialize(handled, fresh_sim, db))
-    assert md["rows_ok"] == 60 and md["rows_failed"] == 0
+    assert md["partition/rows_ok"] == 60 and md["partition/rows_failed"] == 0
     # Blank only when the rendered user message is blank: then the row is empty_prompt, unsent.
     received = fresh_sim.stats()["received"]
-    blank = asset(prompt=Prompt(template="{% if headline %}{{ headline }}{% endif %}"))
+    blank = asset(prompt=Prompt(template="{% if headline %}{{ headline }}{% endif %}"), params={})
     md = metadata(materialize(blank, fresh_sim, db))
-    assert md["rows_ok"] == 58 and md["rows_failed"] == 2
+    assert md["partition/rows_ok"] == 58 and md["partition/rows_failed"] == 2
     rows = query(db, "SELECT id, error_class FROM news_sentiment WHERE status = 'failed'")
     assert sorted(rows) == [(1, "empty_prompt"), (2, "empty_prompt")]
     assert fresh_sim.stats()["received"] == received + 58

@@ -380,12 +380,14 @@ def test_dg_launch_of_a_partition_range(sim, tmp_path):
         key = dg.AssetKey("headline_sentiment")
         observed = instance.fetch_observations(key, limit=10).records
         per_partition = {r.partition_key: r.asset_observation.metadata for r in observed}
-        assert {k: md["rows_ok"].value for k, md in per_partition.items()} == {
+        assert {k: md["run/rows_ok"].value for k, md in per_partition.items()} == {
             "2026-11-01": 10,
             "2026-11-02": 10,
         }
         mat = instance.fetch_materializations(key, limit=1).records[0].asset_materialization
-        assert mat.metadata["rows_ok"].value == 20 and mat.metadata["partitions_in_run"].value == 2
+        assert (
+            mat.metadata["run/rows_ok"].value == 20 and mat.metadata["partitions_in_run"].value == 2
+        )
 
 
 def test_the_demo_takes_every_llm_setting_from_the_environment():
