@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
+from pydantic import BaseModel
 
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
@@ -13,7 +14,15 @@ from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_identifie
 from .metadata import build_metadata
 from .prompt import CompiledPrompt, Prompt
 from .runner import PartitionRun, RunSpec, check_failures
-from .schema import output_schema, output_table
+from .schema import OUTPUT_COLUMNS, output_table
+from .schema import output_schema as output_schema_of
+from .structured import (
+    OutputSchema,
+    column_schema,
+    field_quality,
+    parse_output_schema,
+    quality_metadata,
+)
 
 DEFAULT_MAX_FAILED_FRACTION = 0.05
 DEFAULT_CHUNK_ROWS = 1000
@@ -72,11 +81,17 @@ def build_llm_batch_asset(
     deps: Sequence[dg.AssetKey | str] | None = None,
     tags: Mapping[str, str] | None = None,
     owners: Sequence[str] | None = None,
+    output_schema: type[BaseModel] | Mapping[str, Any] | OutputSchema | None = None,
+    repair_attempts: int = 1,
 ) -> dg.AssetsDefinition:
     """An asset whose partitions each send one chat request per source row and write the answers.
 
     Checked here, before any run: identifiers (names only, never SQL), the template's syntax and
     that it names only known columns, and the settings' ranges.
+
+    `output_schema` (a pydantic model class, or a mapping field -> type as in YAML) asks for
+    JSON matching it and writes each field to its own typed column; an answer that does not
+    match is re-asked `repair_attempts` times with the error, then fails `invalid_output`.
     """
     check_identifier(name, "asset")
     per_partition = source.table.endswith(TABLE_PER_PARTITION)
@@ -104,13 +119,18 @@ def build_llm_batch_asset(
             description=f"Asset {name!r} is partitioned: set source.partition_column."
         )
     params = dict(params or {})
+    typed = parse_output_schema(output_schema, reserved=[c for c, _ in OUTPUT_COLUMNS])
+    if repair_attempts < 0:
+        raise BatchLLMError(description=f"repair_attempts must be >= 0, got {repair_attempts}")
     spec = RunSpec(
         source=SourceRef(source.table, source.id_column, columns, source.partition_column),
-        output=output_table(output),
+        output=output_table(output, typed.columns() if typed else ()),
         prompt=compiled,
         model=model,
         params=params,
         chunk_rows=chunk_rows,
+        output_schema=typed,
+        repair_attempts=repair_attempts,
     )
 
     @dg.asset(
@@ -131,7 +151,7 @@ def build_llm_batch_asset(
             "batch_llm/output_table": output,
             "batch_llm/prompt_template": prompt.template,
             "batch_llm/model": model or "(resource default)",
-            "dagster/column_schema": output_schema(source.id_column),
+            "dagster/column_schema": column_schema(output_schema_of(source.id_column), typed),
         },
     )
     def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
@@ -152,9 +172,13 @@ def build_llm_batch_asset(
                 )
                 stats = run.run()
                 row_count = session.count_output(output, partition_key)
+                quality = (
+                    field_quality(session, output, partition_key, typed.names) if typed else {}
+                )
         except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
             raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
         metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
+        metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
         check_failures(stats, max_failed_fraction, metadata)
         return dg.MaterializeResult(metadata=metadata)
 

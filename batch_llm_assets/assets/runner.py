@@ -17,11 +17,13 @@ import dagster as dg
 
 from ..engine import errors as E
 from ..engine.engine import ChatRequest, ChatResult
+from ..engine.structured import provider_kind, shape_request, validator
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .pricing import cost_usd, price_for
 from .prompt import CompiledPrompt
+from .structured import OutputSchema
 
 PROGRESS_EVERY_S = 30.0
 FLUSH_EVERY_S = 1.0
@@ -62,7 +64,8 @@ class RunStats:
             self.errors[r.error_class or "unknown"] += 1
         self.prompt_tokens += r.prompt_tokens or 0
         self.completion_tokens += r.completion_tokens or 0
-        if r.ok and self.cost_usd is not None:
+        # An answer that failed validation was still paid for (typed outputs: invalid_output).
+        if (r.ok or r.completion_tokens) and self.cost_usd is not None:
             self.cost_usd = None if cost is None else self.cost_usd + cost
         self.retries += max(0, r.attempts - 1)
         self.http_429 += r.http_429
@@ -79,6 +82,8 @@ class RunSpec:
     model: str | None
     params: dict[str, Any]
     chunk_rows: int
+    output_schema: OutputSchema | None = None  # typed outputs (assets/structured.py)
+    repair_attempts: int = 1
 
 
 class PartitionRun:
@@ -115,6 +120,11 @@ class PartitionRun:
             partition_key,
         )
         self._hashes: dict[Any, str] = {}
+        self.typed = spec.output_schema
+        # -- typed outputs: the provider's form of structured output (lead: switch to profiles) --
+        self.provider_kind = provider_kind(
+            llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
+        )
 
     # -- checks before any request ---------------------------------------------------------
     def preflight(self) -> None:
@@ -157,12 +167,39 @@ class PartitionRun:
                 if problem is not None:
                     yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
                     continue
-                h = request_hash(messages, self.model, self.params)
+                params, messages = self._shape(messages)
+                # The structured params (the schema) are part of the identity: a changed schema
+                # re-runs the rows.
+                h = request_hash(messages, self.model, {**self.params, **(params or {})})
                 if done.get(rid) == h:
                     self.stats.skipped += 1
                     continue
                 self._hashes[rid] = h
-                yield ChatRequest(rid, messages)
+                if self.typed is None:
+                    yield ChatRequest(rid, messages)
+                    continue
+                yield ChatRequest(
+                    rid,
+                    messages,
+                    params=params,
+                    validate=validator(self.typed.parse),
+                    repair_attempts=self.spec.repair_attempts,
+                )
+
+    def _shape(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """Typed outputs: the request's structured params and messages (unchanged without)."""
+        if self.typed is None:
+            return None, messages
+        return shape_request(
+            self.provider_kind,
+            self.typed.json_schema(),
+            messages,
+            {},
+            name=self.typed.name,
+            strict=self.typed.strict_ok,
+        )
 
     def _row(self, r: ChatResult, now: datetime) -> dict[str, Any]:
         cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
@@ -182,7 +219,16 @@ class PartitionRun:
             "attempts": r.attempts,
             "request_hash": self._hashes.pop(r.id, None),
             "completed_at": now,
+            **self._typed_values(r),
         }
+
+    def _typed_values(self, r: ChatResult) -> dict[str, Any]:
+        """Typed outputs: each field of a valid answer in its own column (NULL otherwise)."""
+        if self.typed is None:
+            return {}
+        if not r.ok:
+            return dict.fromkeys(self.typed.names)
+        return self.typed.row_values(r.response)
 
     async def _run(self) -> None:
         started = time.monotonic()

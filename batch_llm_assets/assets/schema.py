@@ -25,14 +25,17 @@ OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
 _DESCRIPTIONS = {
     "id": "the source row's id (one output row per input id)",
     "status": "ok or failed",
-    "error_class": "why a row failed (empty_prompt, context_length, rate_limited, ...)",
+    "response": "the answer's raw text (with output_schema: the JSON the fields come from)",
+    "error_class": "why a row failed (empty_prompt, context_length, rate_limited, "
+    "invalid_output, refusal, ...)",
     "request_hash": "sha256 of prompt + model + params: a rerun skips ok rows with the same hash",
     "cost_usd": "NULL when the model's price is unknown",
 }
 
 
-def output_table(name: str) -> OutputTable:
-    return OutputTable(name=name, columns=OUTPUT_COLUMNS)
+def output_table(name: str, typed: tuple[tuple[str, str], ...] = ()) -> OutputTable:
+    """`typed`: the typed-output columns (assets/structured.py), appended after the fixed ones."""
+    return OutputTable(name=name, columns=OUTPUT_COLUMNS + tuple(typed))
 
 
 def output_schema(id_column: str) -> dg.TableSchema:

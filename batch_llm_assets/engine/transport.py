@@ -33,6 +33,7 @@ class ChatResponse:
     prompt_tokens: int | None
     completion_tokens: int | None
     headers: dict[str, str]
+    refusal: str | None = None  # structured outputs: message.refusal, when the model declined
 
 
 class ChatTransport(Protocol):
@@ -71,6 +72,7 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
             headers=headers,
+            refusal=(choice.get("message") or {}).get("refusal"),
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(

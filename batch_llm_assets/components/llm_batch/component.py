@@ -304,6 +304,18 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     partitions: PartitionsConfig | None = Field(
         default=None, description="Partitioning; default: daily from 2019-01-01."
     )
+    # -- typed outputs (assets/structured.py) --
+    output_schema: dict[str, Any] | None = Field(
+        default=None,
+        description="Typed outputs: field -> type (string, integer, number, boolean, enum, list, "
+        "object) or {type, description, values, items, minimum, maximum}; each field is written "
+        "to its own typed column.",
+    )
+    repair_attempts: int = Field(
+        default=1,
+        ge=0,
+        description="With output_schema: times an invalid answer is re-asked with the error.",
+    )
     max_failed_fraction: float = Field(
         default=DEFAULT_MAX_FAILED_FRACTION,
         description="Fraction (0-1) of a partition's rows that may fail before the run fails "
@@ -571,6 +583,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
                 deps=[dg.AssetKey.from_user_string(d) for d in self.deps or []],
                 tags=self.tags,
                 owners=self.owners,
+                output_schema=self.output_schema,
+                repair_attempts=self.repair_attempts,
             )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
