@@ -352,6 +352,12 @@ def test_invalid_json_is_repaired_or_fails_invalid_output(ssim, db):
     assert stats["answered"] == sum(r[3] for r in got)
     assert sum(r[6] for r in got) == stats["completion_tokens"] == md["completion_tokens"]
     assert md["batch_llm/null_fraction/label"] == pytest.approx(len(failed) / len(got))
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert set(checks) == {"label_null_fraction", "confidence_null_fraction"}
+    assert checks["label_null_fraction"].metadata["null_fraction"].value == pytest.approx(
+        len(failed) / len(got)
+    )
+    assert checks["label_null_fraction"].passed  # max_failed_fraction is 1.0 here
 
 
 def test_without_repair_an_invalid_answer_fails_at_once(ssim, db):

@@ -19,6 +19,8 @@ from .schema import output_schema as output_schema_of
 from .structured import (
     OutputSchema,
     column_schema,
+    field_check_results,
+    field_check_specs,
     field_quality,
     parse_output_schema,
     quality_metadata,
@@ -133,6 +135,8 @@ def build_llm_batch_asset(
         repair_attempts=repair_attempts,
     )
 
+    key = dg.AssetKey([*(key_prefix or []), name])
+
     @dg.asset(
         name=name,
         key_prefix=list(key_prefix) if key_prefix else None,
@@ -145,6 +149,7 @@ def build_llm_batch_asset(
         tags=dict(tags or {}),
         owners=list(owners) if owners else None,
         kinds={"python", "openai"},
+        check_specs=field_check_specs(key, typed),  # typed outputs: NULL fraction per field
         metadata={
             "batch_llm/source_table": source.table,
             "batch_llm/table_per_partition": per_partition,
@@ -180,6 +185,7 @@ def build_llm_batch_asset(
         metadata = build_metadata(stats, row_count=row_count, model=run.model, output=output)
         metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
         check_failures(stats, max_failed_fraction, metadata)
-        return dg.MaterializeResult(metadata=metadata)
+        checks = field_check_results(key, quality, max_failed_fraction)
+        return dg.MaterializeResult(metadata=metadata, check_results=checks)
 
     return _asset

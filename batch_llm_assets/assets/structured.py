@@ -325,3 +325,33 @@ def quality_metadata(fractions: Mapping[str, float]) -> dict[str, Any]:
         f"batch_llm/null_fraction/{name}": dg.MetadataValue.float(round(value, 6))
         for name, value in fractions.items()
     }
+
+
+def field_check_specs(key: dg.AssetKey, spec: OutputSchema | None) -> list[dg.AssetCheckSpec]:
+    """One check per field, evaluated inside the materialisation: its NULL fraction."""
+    if spec is None:
+        return []
+    return [
+        dg.AssetCheckSpec(
+            f"{f.name}_null_fraction",
+            asset=key,
+            description=f"Rows of the partition whose {f.name!r} is NULL (failed or invalid "
+            "answers) are at most max_failed_fraction.",
+        )
+        for f in spec.fields
+    ]
+
+
+def field_check_results(
+    key: dg.AssetKey, fractions: Mapping[str, float], max_null_fraction: float
+) -> list[dg.AssetCheckResult]:
+    return [
+        dg.AssetCheckResult(
+            asset_key=key,
+            check_name=f"{name}_null_fraction",
+            passed=value <= max_null_fraction,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata={"null_fraction": value, "max_null_fraction": max_null_fraction},
+        )
+        for name, value in fractions.items()
+    ]
