@@ -19,9 +19,14 @@ from pydantic import BaseModel, Field
 from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable
 from batch_llm_assets import build_llm_batch_asset as build
 from batch_llm_assets.assets.structured import OutputSchemaError, parse_output_schema
+from batch_llm_assets.components.llm_batch.component import (
+    LlmBatchComponent,
+    LlmBatchConfigError,
+)
 from batch_llm_assets.components.loader import load_defs_folder
 from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.engine.engine import ChatRequest
+from batch_llm_assets.engine.errors import BatchLLMError
 from batch_llm_assets.engine.structured import (
     KINDS,
     SCHEMA_MARKER,
@@ -160,6 +165,20 @@ def test_a_bad_output_schema_is_refused_when_the_asset_is_built(schema, message)
         asset(schema)
 
 
+def test_output_schema_errors_name_the_component_attribute():
+    component = LlmBatchComponent(
+        name="sentiment",
+        source={"table": "news_headlines", "partition_column": "published_at"},
+        prompt="Headline: {{ headline }}",
+        output="news_sentiment",
+        output_schema={"label": {"type": "enum", "values": []}},
+    )
+    with pytest.raises(LlmBatchConfigError, match=r"output_schema\.label: an enum needs values"):
+        component.build_asset()
+    with pytest.raises(BatchLLMError, match="response_format and output_schema are both set"):
+        asset(params={"response_format": {"type": "json_object"}})
+
+
 def test_answers_are_validated_against_the_schema():
     spec = parse_output_schema(Analysis)
     good = {
@@ -234,13 +253,15 @@ def test_the_provider_kind_comes_from_the_url_unless_named(url, api_version, pro
     assert provider_kind(url, api_version=api_version, provider=provider) == kind
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_simulator_answers_every_form_with_valid_json(ssim, kind):
+@pytest.mark.parametrize(
+    "kind, transport", [(k, "aiohttp") for k in KINDS] + [("vllm", "openai"), ("openai", "openai")]
+)
+def test_the_simulator_answers_every_form_with_valid_json(ssim, kind, transport):
     spec = parse_output_schema(Analysis)
     params, messages = shape_request(
         kind, spec.json_schema(), MESSAGES, {"max_tokens": 120}, strict=spec.strict_ok
     )
-    llm = LLMResource(base_url=ssim.url, api_key=SIM_KEY, model="gpt-4o-mini")
+    llm = LLMResource(base_url=ssim.url, api_key=SIM_KEY, model="gpt-4o-mini", transport=transport)
 
     async def one():
         async with llm.engine() as engine:

@@ -122,6 +122,12 @@ def build_llm_batch_asset(
         )
     params = dict(params or {})
     typed = parse_output_schema(output_schema, reserved=[c for c, _ in OUTPUT_COLUMNS])
+    if typed is not None and "response_format" in params:
+        raise BatchLLMError(
+            description="params.response_format and output_schema are both set: output_schema "
+            "decides the answer's format (and how the provider is asked for it); drop "
+            "response_format."
+        )
     if repair_attempts < 0:
         raise BatchLLMError(description=f"repair_attempts must be >= 0, got {repair_attempts}")
     spec = RunSpec(
