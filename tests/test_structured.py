@@ -478,3 +478,32 @@ def test_the_demo_asset_declares_label_and_confidence(ssim, db):
     assert {g[0] for g in got} <= {"positive", "negative", "neutral"}
     assert sum(g[1] for g in got) == PER_DAY
     assert all(0 <= g[2] <= g[3] <= 1 for g in got)
+
+
+@pytest.mark.bigquery
+def test_schema_evolution_on_the_bigquery_emulator(ssim, bq_endpoint, bq, dataset):  # noqa: F811
+    def bq_asset(schema):
+        return asset(
+            schema,
+            source=SourceTable(
+                table=f"{dataset}.news_headlines",
+                partition_column="published_at",
+                columns=["headline"],
+            ),
+            output=f"{dataset}.news_sentiment",
+        )
+
+    warehouse = BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint)
+    assert run(bq_asset({"label": SENTIMENT["label"]}), ssim, warehouse)[0].success
+    # Two new fields at once: two new nullable columns, and the rows run again.
+    grown = {**SENTIMENT, "tickers": {"type": "list", "items": "string"}}
+    result, md = run(bq_asset(grown), ssim, warehouse)
+    assert result.success and md["rows_skipped"] == 0
+    got = query(
+        bq, f"SELECT confidence, tickers FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'"
+    )
+    assert got and all(isinstance(c, float) and t and isinstance(t[0], str) for c, t in got)
+    # A changed type is refused, naming the field and both types.
+    result, _ = run(bq_asset({**grown, "confidence": "integer"}), ssim, warehouse)
+    message = result.get_step_failure_events()[0].step_failure_data.error.message
+    assert "confidence is FLOAT64, expected INT64" in message
