@@ -58,6 +58,7 @@ class Analysis(BaseModel):
     about_rates: bool
     tickers: list[str]
     details: dict
+    sector: Literal["banks", "energy"] | None = Field(description="null when none applies")
 
 
 class ProfiledLLM(LLMResource):
@@ -125,6 +126,12 @@ def test_python_and_yaml_forms_give_one_strict_schema():
             "about_rates": "boolean",
             "tickers": {"type": "list", "items": "string"},
             "details": "object",
+            "sector": {
+                "type": "enum",
+                "values": ["banks", "energy"],
+                "nullable": True,
+                "description": "null when none applies",
+            },
         }
     )
     py_form = parse_output_schema(Analysis)
@@ -136,13 +143,22 @@ def test_python_and_yaml_forms_give_one_strict_schema():
         "about_rates": "bool",
         "tickers": "list<string>",
         "details": "json",
+        "sector": "string",
     }
     schema = py_form.json_schema()
+    assert schema["properties"]["sector"] == {
+        "anyOf": [{"type": "string", "enum": ["banks", "energy"]}, {"type": "null"}],
+        "description": "null when none applies",
+    }
+    assert yaml_form.json_schema()["properties"]["sector"] == schema["properties"]["sector"]
     assert schema["additionalProperties"] is False
     assert schema["required"] == list(schema["properties"])
     assert schema["properties"]["confidence"] | {} == {"type": "number", "minimum": 0, "maximum": 1}
     assert schema["properties"]["label"]["enum"] == ["positive", "negative", "neutral"]
-    assert py_form.descriptions() == {"label": "the sentiment"}
+    assert py_form.descriptions() == {
+        "label": "the sentiment",
+        "sector": "null when none applies",
+    }
     assert not py_form.strict_ok  # a free-form object cannot be strict
     assert parse_output_schema(SENTIMENT).strict_ok
 
@@ -188,14 +204,17 @@ def test_answers_are_validated_against_the_schema():
         "about_rates": False,
         "tickers": ["AAPL"],
         "details": {"k": 1},
+        "sector": None,
     }
     assert spec.parse(json.dumps(good))["confidence"] == 1.0
+    assert spec.parse(json.dumps(good | {"sector": "banks"}))["sector"] == "banks"
     assert spec.row_values(json.dumps(good))["details"] == '{"k": 1}'
     for change, problem in [
         ({"label": "bullish"}, "label: Input should be"),
         ({"confidence": 1.5}, "confidence: Input should be less than or equal to 1"),
         ({"mentions": "2"}, "mentions: Input should be a valid integer"),
         ({"extra": 1}, "extra: Extra inputs are not permitted"),
+        ({"sector": "tech"}, "sector"),
     ]:
         with pytest.raises(ValueError, match=problem):
             spec.parse(json.dumps(good | change))
@@ -293,6 +312,7 @@ def test_typed_round_trip_on_duckdb(ssim, db):
         "about_rates": "BOOLEAN",
         "tickers": "VARCHAR[]",
         "details": "JSON",
+        "sector": "VARCHAR",
     }
     for label, conf, mentions, rates, tickers, details, response in rows(
         db, "label, confidence, mentions, about_rates, tickers, details, response"

@@ -14,6 +14,7 @@ column per field (logical types of warehouses/: string, int, float, bool, json, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,7 @@ class FieldSpec:
     items: str | None = None  # list: a scalar kind (or "enum" with values)
     minimum: float | None = None
     maximum: float | None = None
+    nullable: bool = False  # the answer may say null (Optional[X]; `nullable: true` in YAML)
 
     @property
     def column_type(self) -> str:
@@ -59,6 +61,8 @@ class FieldSpec:
 
     def annotation(self) -> Any:
         """The Python type an answer's value must have (bounds included)."""
+        if self.nullable:
+            return dataclasses.replace(self, nullable=False).annotation() | None
         if self.kind == "list":
             return list[
                 FieldSpec(self.name, self.items or "string", values=self.values).annotation()
@@ -71,6 +75,10 @@ class FieldSpec:
         return Annotated[py, Field(ge=self.minimum, le=self.maximum)]
 
     def json_schema(self) -> dict[str, Any]:
+        if self.nullable:  # strict mode takes a union with null, not an optional property
+            inner = dataclasses.replace(self, nullable=False, description=None).json_schema()
+            out = {"anyOf": [inner, {"type": "null"}]}
+            return out | ({"description": self.description} if self.description else {})
         if self.kind == "list":
             item = FieldSpec(self.name, self.items or "string", values=self.values)
             out: dict[str, Any] = {"type": "array", "items": item.json_schema()}
@@ -210,7 +218,8 @@ def _yaml_field(name: str, value: Any) -> FieldSpec:
             description=f"{where}: expected a type name or a mapping with 'type' (one of "
             f"{', '.join(KINDS)}), got {value!r}."
         )
-    unknown = set(value) - {"type", "description", "values", "items", "minimum", "maximum"}
+    keys = {"type", "description", "values", "items", "minimum", "maximum", "nullable"}
+    unknown = set(value) - keys
     if unknown:
         raise OutputSchemaError(description=f"{where}: unknown key(s) {sorted(unknown)}.")
     kind = value["type"]
@@ -248,6 +257,7 @@ def _yaml_field(name: str, value: Any) -> FieldSpec:
         items=items,
         minimum=bounds["minimum"],
         maximum=bounds["maximum"],
+        nullable=bool(value.get("nullable", False)),
     )
 
 
@@ -292,8 +302,9 @@ def _from_json_schema(schema: dict[str, Any], *, name: str) -> OutputSchema:
             )
         lo = node.get("minimum", node.get("exclusiveMinimum"))
         hi = node.get("maximum", node.get("exclusiveMaximum"))
+        nullable = any(o.get("type") == "null" for o in prop.get("anyOf", ()))
         fields.append(
-            FieldSpec(fname, kind, node.get("description"), values, items, minimum=lo, maximum=hi)
+            FieldSpec(fname, kind, node.get("description"), values, items, lo, hi, nullable)
         )
     if not fields:
         raise OutputSchemaError(description=f"output_schema {name} has no fields.")

@@ -60,6 +60,9 @@ def _schema_in_prompt(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def generate(schema: dict[str, Any], rng: random.Random) -> Any:
     """A value that matches `schema` (the subset typed outputs use)."""
+    options = [o for o in schema.get("anyOf", ()) if o.get("type") != "null"]
+    if options:  # a nullable field: answered with a value
+        return generate(options[0], rng)
     if "enum" in schema:
         return rng.choice(schema["enum"])
     kind = schema.get("type")
