@@ -153,7 +153,7 @@ def test_python_and_yaml_forms_give_one_strict_schema():
     assert yaml_form.json_schema()["properties"]["sector"] == schema["properties"]["sector"]
     assert schema["additionalProperties"] is False
     assert schema["required"] == list(schema["properties"])
-    assert schema["properties"]["confidence"] | {} == {"type": "number", "minimum": 0, "maximum": 1}
+    assert schema["properties"]["confidence"] == {"type": "number", "minimum": 0, "maximum": 1}
     assert schema["properties"]["label"]["enum"] == ["positive", "negative", "neutral"]
     assert py_form.descriptions() == {
         "label": "the sentiment",

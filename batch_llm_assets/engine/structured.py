@@ -99,7 +99,8 @@ def with_schema_prompt(
     messages: list[dict[str, Any]], schema: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """The messages with the schema stated at the end of the system message (one is added)."""
-    note = f"{SCHEMA_MARKER}\n{json.dumps(schema, sort_keys=True)}"
+    compact = json.dumps(schema, sort_keys=True, separators=(",", ":"))  # fewer prompt tokens
+    note = f"{SCHEMA_MARKER}\n{compact}"
     out = copy.deepcopy(messages)
     for m in out:
         if m.get("role") == "system" and isinstance(m.get("content"), str):
