@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
+from pydantic import BaseModel
 
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
@@ -25,6 +26,13 @@ from .spec import (
     TABLE_PER_PARTITION,
     LlmBatchSpec,
     at,
+)
+from .structured import (
+    OutputSchema,
+    field_check_results,
+    field_check_specs,
+    field_quality,
+    quality_metadata,
 )
 
 __all__ = [
@@ -82,6 +90,8 @@ def build_llm_batch_asset(
     checks: bool = True,
     mode: str = "live",
     batch: BatchSettings | Mapping[str, Any] | None = None,
+    output_schema: type[BaseModel] | Mapping[str, Any] | OutputSchema | None = None,
+    repair_attempts: int = 1,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S,
     max_prompt_chars: int | None = None,
@@ -109,6 +119,10 @@ def build_llm_batch_asset(
 
     `mode="batch"` sends a partition's pending rows through the provider's Batch API (half
     price, completes within 24 h); `batch` says how (BatchSettings: wait, file limits, ...).
+
+    `output_schema` (a pydantic model class, or a mapping field -> type as in YAML) asks for
+    JSON matching it and writes each field to its own typed column; an answer that does not
+    match is re-asked `repair_attempts` times with the error, then fails `invalid_output`.
     """
     if isinstance(prompt, str):
         prompt = Prompt(template=prompt)
@@ -131,6 +145,8 @@ def build_llm_batch_asset(
         checks=checks,
         mode=mode,
         batch=dict(batch) if batch is not None else None,
+        output_schema=output_schema,
+        repair_attempts=repair_attempts,
         chunk_rows=chunk_rows,
         render_timeout_s=render_timeout_s,
         max_prompt_chars=max_prompt_chars,
@@ -166,13 +182,16 @@ def build_asset_from_spec(
             render_timeout_s=spec.render_timeout_s,
             max_prompt_chars=spec.max_prompt_chars,
         )
+    typed = spec.typed
     run_spec = RunSpec(
         source=SourceRef(src.table, src.id_column, columns, src.partition_column),
-        output=output_table(spec.output),
+        output=output_table(spec.output, typed.columns() if typed else ()),
         prompt=compiled,
         model=spec.model,
         params=dict(spec.params),
         chunk_rows=spec.chunk_rows,
+        output_schema=typed,
+        repair_attempts=spec.repair_attempts,
     )
     llm_key, warehouse_key, output = spec.llm_resource_key, spec.warehouse_resource_key, spec.output
     deps = [
@@ -183,7 +202,10 @@ def build_asset_from_spec(
 
     asset_key = dg.AssetKey([*(spec.key_prefix or []), spec.name])
     specs = (
-        check_specs(asset_key, warn_failed_fraction=spec.warn_failed_fraction)
+        [
+            *check_specs(asset_key, warn_failed_fraction=spec.warn_failed_fraction),
+            *field_check_specs(asset_key, typed),  # typed outputs: NULL fraction per field
+        ]
         if spec.checks
         else None
     )
@@ -344,9 +366,14 @@ def _run_partition(
             )
             stats = run.run()
             summary = session.partition_summary(spec.output, partition_key)
+            typed = run_spec.output_schema
+            quality = (
+                field_quality(session, spec.output, partition_key, typed.names) if typed else {}
+            )
     except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
         raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
     metadata = build_metadata(stats, summary=summary, model=run.model, output=spec.output)
+    metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
     if run.served_model and run.served_model != run.model:
         metadata["served_model"] = dg.MetadataValue.text(run.served_model)
     judge_partition(
@@ -357,7 +384,10 @@ def _run_partition(
         metadata=metadata,
     )
     results = (
-        check_results(summary, stats.rows_in, warn_failed_fraction=spec.warn_failed_fraction)
+        [
+            *check_results(summary, stats.rows_in, warn_failed_fraction=spec.warn_failed_fraction),
+            *field_check_results(context.asset_key, quality, spec.warn_failed_fraction),
+        ]
         if spec.checks
         else []
     )

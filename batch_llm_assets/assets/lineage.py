@@ -12,6 +12,7 @@ import dagster as dg
 
 from .schema import OUTPUT_COLUMNS, output_schema
 from .spec import TABLE_PER_PARTITION, LlmBatchSpec
+from .structured import column_schema as typed_column_schema
 
 # Logical output types as each warehouse names them (see warehouses/*_session.py).
 WAREHOUSE_TYPES = {
@@ -70,7 +71,7 @@ def column_schema(spec: LlmBatchSpec) -> dg.TableSchema:
         )
         for c in output_schema(src.id_column).columns
     ]
-    return dg.TableSchema(columns=cols)
+    return typed_column_schema(dg.TableSchema(columns=cols), spec.typed)
 
 
 def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:

@@ -27,12 +27,14 @@ from ..engine import errors as E
 from ..engine.engine import ChatRequest, ChatResult, Engine
 from ..engine.errors import redact
 from ..engine.identity import request_identity
+from ..engine.structured import provider_kind, shape_request, validator
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
 from .pricing import cost_usd, price_for, served_model
 from .prompt import CompiledPrompt
+from .structured import OutputSchema
 from .writer import (
     DEFAULT_MAX_WRITE_ROWS,
     DEFAULT_WRITE_INTERVAL_S,
@@ -90,6 +92,8 @@ class RunSpec:
     model: str | None
     params: dict[str, Any]
     chunk_rows: int
+    output_schema: OutputSchema | None = None  # typed outputs (assets/structured.py)
+    repair_attempts: int = 1
 
 
 class _ReaderFailed:
@@ -154,6 +158,11 @@ class PartitionRun:
         self.lease: PartitionLease | None = None
         self._hashes: dict[Any, str] = {}
         self._stop = threading.Event()
+        self.typed = spec.output_schema
+        # Typed outputs: the provider's form of structured output.
+        self.provider_kind = provider_kind(
+            llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
+        )
 
     # -- checks before any request ---------------------------------------------------------
     def preflight(self) -> None:
@@ -234,15 +243,53 @@ class PartitionRun:
                 batch.append(ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent")))
                 continue
             assert self._engine is not None
+            params, messages = self._shape(messages)
+            # The exact body, structured params (the schema) included: a changed schema re-runs.
             h = request_identity(
-                self._engine.request_body(messages), self.llm.base_url, self.llm.api_version
+                self._engine.request_body(messages, params),
+                self.llm.base_url,
+                self.llm.api_version,
             )
             if done.get(rid) == h:
                 self.stats.skipped += 1
                 continue
             self._hashes[rid] = h
-            batch.append(ChatRequest(rid, messages))
+            if self.typed is None:
+                batch.append(ChatRequest(rid, messages))
+                continue
+            batch.append(
+                ChatRequest(
+                    rid,
+                    messages,
+                    params=params,
+                    validate=validator(self.typed.parse),
+                    repair_attempts=self.spec.repair_attempts,
+                )
+            )
         return batch
+
+    def _shape(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """Typed outputs: the request's structured params and messages (unchanged without)."""
+        if self.typed is None:
+            return None, messages
+        return shape_request(
+            self.provider_kind,
+            self.typed.json_schema(),
+            messages,
+            {},
+            name=self.typed.name,
+            strict=self.typed.strict_ok,
+        )
+
+    def _typed_values(self, r: ChatResult) -> dict[str, Any]:
+        """Typed outputs: each field of a valid answer in its own column (NULL otherwise)."""
+        if self.typed is None:
+            return {}
+        if not r.ok:
+            return dict.fromkeys(self.typed.names)
+        return self.typed.row_values(r.response)
 
     async def _requests(self) -> AsyncIterator[ChatRequest]:
         queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
@@ -288,6 +335,7 @@ class PartitionRun:
                 "attempts": r.attempts,
                 "request_hash": self._hashes.pop(r.id, None),
                 "completed_at": now,
+                **self._typed_values(r),
             }
         )
 

@@ -27,10 +27,11 @@ OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
 
 _DESCRIPTIONS = {
     "id": "the source row's id (one output row per input id)",
-    "response": "the answer's text; for a truncated row the partial text",
+    "response": "the answer's raw text (with output_schema: the JSON the fields come from); "
+    "for a truncated row the partial text",
     "status": "ok (a complete answer) or failed",
     "error_class": "why a row failed: truncated, content_filter, refusal, unexpected_tool_call, "
-    "empty_answer, malformed_response, empty_prompt, context_length, rate_limited, ...",
+    "empty_answer, malformed_response, invalid_output, empty_prompt, context_length, rate_limited, ...",
     "finish_reason": "the provider's finish_reason (stop, length, content_filter, tool_calls)",
     "refusal": "the model's refusal message, when it refused",
     "request_hash": "sha256 of the exact request body sent (model, max_tokens, params, messages) "
@@ -42,8 +43,9 @@ _DESCRIPTIONS = {
 }
 
 
-def output_table(name: str) -> OutputTable:
-    return OutputTable(name=name, columns=OUTPUT_COLUMNS)
+def output_table(name: str, typed: tuple[tuple[str, str], ...] = ()) -> OutputTable:
+    """`typed`: the typed-output columns (assets/structured.py), appended after the fixed ones."""
+    return OutputTable(name=name, columns=OUTPUT_COLUMNS + tuple(typed))
 
 
 def output_schema(id_column: str) -> dg.TableSchema:

@@ -21,6 +21,8 @@ from ..warehouses.base import check_identifier, check_table
 from .batch_mode import BatchSettings
 from .checks import DEFAULT_WARN_FAILED_FRACTION
 from .prompt import DEFAULT_RENDER_TIMEOUT_S, Prompt
+from .schema import OUTPUT_COLUMNS
+from .structured import OutputSchema, parse_output_schema
 
 TABLE_PER_PARTITION = "{partition_key}"
 DEFAULT_MAX_FAILED_FRACTION = 0.05
@@ -285,6 +287,18 @@ class LlmBatchSpec(_Spec):
         description="Fraction (0-1) of a partition's rows that may fail before the run fails "
         "(and the failed_fraction check's threshold).",
     )
+    output_schema: Any = Field(
+        default=None,
+        description="Typed outputs: field -> type (string, integer, number, boolean, enum, list, "
+        "object) or {type, description, values, items, minimum, maximum} (in Python also a "
+        "pydantic model class); the answer is asked for as JSON of that shape and each field is "
+        "written to its own typed column.",
+    )
+    repair_attempts: int = Field(
+        default=1,
+        description="With output_schema: times an invalid answer is re-asked with the error "
+        "(>= 0); then the row fails invalid_output.",
+    )
     warn_failed_fraction: float = Field(
         default=DEFAULT_WARN_FAILED_FRACTION,
         description="Threshold (0-1) of the failed_fraction check (severity WARN): lower than "
@@ -377,6 +391,18 @@ class LlmBatchSpec(_Spec):
         if self.model is not None and not self.model.strip():
             fail("model", "must be a non-empty model name (or be omitted)")
         check_params(self.params)
+        with at("output_schema"):
+            typed = parse_output_schema(self.output_schema, reserved=[c for c, _ in OUTPUT_COLUMNS])
+        if typed is not None and "response_format" in self.params:
+            fail(
+                "params.response_format",
+                "output_schema is set: it decides the answer's format (and how the provider is "
+                "asked for it); drop response_format",
+            )
+        if typed is not None and self.mode == "batch":
+            fail("output_schema", "typed outputs are not yet supported in mode 'batch'")
+        if self.repair_attempts < 0:
+            fail("repair_attempts", f"must be >= 0, got {self.repair_attempts}")
         if not 0 <= self.max_failed_fraction <= 1:
             fail("max_failed_fraction", f"must be within [0, 1], got {self.max_failed_fraction}")
         if not 0 <= self.warn_failed_fraction <= 1:
@@ -453,6 +479,11 @@ class LlmBatchSpec(_Spec):
     def columns(self) -> tuple[str, ...]:
         """Columns read: those named, else those the prompt uses."""
         return tuple(self.source.columns) or tuple(sorted(self.prompt_obj.variables()))
+
+    @property
+    def typed(self) -> OutputSchema | None:
+        """The parsed output_schema (typed outputs), or None."""
+        return parse_output_schema(self.output_schema, reserved=[c for c, _ in OUTPUT_COLUMNS])
 
     @property
     def prompt_obj(self) -> Prompt:

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import _constants as C
 from . import errors as E
+from . import structured as S
 from .limiter import RedisLimiter
 from .outcome import classify_answer, tools_requested
 from .tokens import count_prompt_tokens, encoding_for, requested_max_tokens
@@ -34,6 +35,10 @@ class ChatRequest:
     params: dict[str, Any] | None = None
     deadline: float | None = None  # time.monotonic() after which it is not sent again
     error: tuple[str, str] | None = None  # (class, message): a bad row, failed without sending
+    # Typed outputs (engine/structured.py): checks an ok answer -> None or (error class, message);
+    # an invalid_output one is re-asked with the error up to repair_attempts times.
+    validate: Callable[[ChatResult], tuple[str, str] | None] | None = None
+    repair_attempts: int = 0
 
 
 @dataclass(slots=True)
@@ -242,6 +247,14 @@ class Engine:
 
     async def run_one(self, req: ChatRequest) -> ChatResult:
         """One request through validation, limiter, retries. Never raises for provider errors."""
+        result = await self._send(req)
+        # -- typed outputs: validate the answer, repair it (engine/structured.py) --
+        if req.validate is not None and result.ok:
+            return await S.validated(self._send, req, result)
+        return result
+
+    async def _send(self, req: ChatRequest) -> ChatResult:
+        """One chat completion (with its retries) and its raw result."""
         if req.error is not None:
             return _failed(req, *req.error)
         prepared = self._prepare(req)
@@ -304,13 +317,15 @@ class Engine:
                         )
                     if self.limiter is not None:
                         await self._penalize(exc)
-                if exc.error_class in E.FATAL_CLASSES:
+                # Typed outputs: a provider that refuses the JSON form refuses every row alike.
+                rejected = req.validate is not None and S.rejects_structured(exc)
+                if exc.error_class in E.FATAL_CLASSES or rejected:
                     self._note_fatal(exc)
-                if not exc.retryable or attempt >= self.s.max_attempts:
+                if not exc.retryable or rejected or attempt >= self.s.max_attempts:
                     return _failed(
                         req,
-                        exc.error_class,
-                        exc.message,
+                        E.STRUCTURED_UNSUPPORTED if rejected else exc.error_class,
+                        S.rejection_message(exc) if rejected else exc.message,
                         total_ms=(time.perf_counter() - first_send) * 1000,
                         attempts=attempt,
                         estimated_tokens=estimate,

@@ -26,6 +26,10 @@ CONFLICT = "conflict"
 UNPROCESSABLE = "unprocessable"
 LIMITER_UNAVAILABLE = "limiter_unavailable"
 ABORTED = "aborted"
+# Typed outputs (assets/structured.py, engine/structured.py).
+INVALID_OUTPUT = "invalid_output"  # not JSON, off the schema, or truncated, after repairs
+REFUSAL = "refusal"  # the model declined (message.refusal)
+STRUCTURED_UNSUPPORTED = "structured_output_unsupported"  # the provider refused the JSON form
 
 _STATUS_CLASSES = {
     400: BAD_REQUEST,

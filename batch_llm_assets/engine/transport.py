@@ -196,6 +196,9 @@ class AiohttpTransport:
             self._session = None
 
 
+_EXTRA_BODY_FIELDS = ("structured_outputs", "guided_json")
+
+
 class OpenAISDKTransport:
     """The openai SDK (AsyncOpenAI / AsyncAzureOpenAI) with its own retries off."""
 
@@ -228,8 +231,12 @@ class OpenAISDKTransport:
     async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse:
         openai = self._openai
         try:
+            # Typed outputs: fields the SDK does not name (vLLM's structured_outputs) go in the
+            # body as they are, through extra_body.
+            extra = {k: body[k] for k in _EXTRA_BODY_FIELDS if k in body}
+            known = {k: v for k, v in body.items() if k not in extra}
             raw = await self._client.chat.completions.with_raw_response.create(
-                **body, timeout=timeout
+                **known, timeout=timeout, **({"extra_body": extra} if extra else {})
             )
             headers = {k.lower(): v for k, v in raw.headers.items()}
             payload = json.loads(raw.text)

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens, count_text_tokens, encoding_for
+from . import structured
 from .answers import draw_shape, echo_key, rejection, shaped_choice
 
 _WORDS = [
@@ -104,6 +105,12 @@ class SimConfig:
     key_echo: str | None = None
     fail_400_key_echo: float = 0.0
     fail_marker: str | None = None  # prompts containing it always get a 400
+    # Typed outputs (simulator/structured.py): fractions of schema answers that are invalid JSON,
+    # truncated JSON or refusals; reject_json_schema answers json_schema with HTTP 500.
+    invalid_json: float = 0.0
+    truncated_json: float = 0.0
+    refuse: float = 0.0
+    reject_json_schema: bool = False
 
 
 class Bucket:
@@ -274,6 +281,9 @@ class Simulator:
                 "invalid_request_error",
                 "invalid_value",
             )
+        if cfg.reject_json_schema and structured.rejects(body):  # like an older llama.cpp server
+            self.counts["rejected_json_schema"] += 1
+            return _error(500, structured.REJECTION_MESSAGE, "server_error", None)
         if model not in cfg.models:
             self.counts["not_found"] += 1
             return _error(
@@ -345,7 +355,14 @@ class Simulator:
             self.counts[f"fault_{fault}"] += 1
             return await self._fault(request, fault, headers)
 
-        content, completion_tokens, finish = self._answer(messages, model, max_tokens)
+        refusal = None
+        schema = structured.requested_schema(body)
+        if schema is not None:  # typed outputs: JSON generated from the schema
+            content, refusal, completion_tokens, finish = self._structured(
+                schema, messages, model, max_tokens
+            )
+        else:
+            content, completion_tokens, finish = self._answer(messages, model, max_tokens)
         if cfg.surrogate_every > 0:
             self.counts["seen_for_surrogate"] += 1
         if cfg.surrogate_every > 0 and self.counts["seen_for_surrogate"] % cfg.surrogate_every == 0:
@@ -354,7 +371,7 @@ class Simulator:
         choices = [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
+                "message": {"role": "assistant", "content": content, "refusal": refusal},
                 "finish_reason": finish,
                 "logprobs": None,
             }
@@ -477,6 +494,18 @@ class Simulator:
         n = rng.randint(3, max(3, self.config.max_answer_tokens))
         content = " ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + "."
         return self._fit(content, model, max_tokens)
+
+    def _structured(self, schema: dict[str, Any], messages, model: str, max_tokens: int):
+        """(content, refusal, completion tokens, finish_reason) of a schema request."""
+        cfg = self.config
+        seed = int(_digest(messages)[:12], 16)
+        content, refusal, cut = structured.answer(
+            schema, seed, invalid=cfg.invalid_json, truncated=cfg.truncated_json, refuse=cfg.refuse
+        )
+        if content is None:
+            return None, refusal, count_text_tokens(refusal or "", model), "stop"
+        content, n, finish = self._fit(content, model, max_tokens)
+        return content, None, n, "length" if cut else finish
 
     @staticmethod
     def _fit(content: str, model: str, max_tokens: int) -> tuple[str, int, str]:

@@ -29,7 +29,22 @@ from google.cloud import bigquery
 from ..engine.errors import BatchLLMError
 from .base import OutputTable, check_identifier
 
-TYPES = {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"}
+_SCALAR_TYPES = {
+    "string": "STRING",
+    "int": "INT64",
+    "float": "FLOAT64",
+    "timestamp": "TIMESTAMP",
+    "bool": "BOOL",
+    # Typed outputs: an object field is JSON text in a STRING column (JSON_VALUE etc. read it);
+    # bqemulator stores a JSON column as STRING, so a JSON type would not survive a round trip.
+    "json": "STRING",
+}
+# Typed outputs: a list of scalars is a REPEATED column (ARRAY<...>); BigQuery has no NULL
+# array, so an invalid answer's list is written as [].
+TYPES = {
+    **_SCALAR_TYPES,
+    **{f"list<{k}>": f"ARRAY<{_SCALAR_TYPES[k]}>" for k in ("string", "int", "float", "bool")},
+}
 
 # Retries of one DML statement: exponential backoff with full jitter, capped, within a deadline.
 DML_RETRY_FIRST_S = 1.0
@@ -109,5 +124,9 @@ def struct(row: dict[str, Any], id_type: str, output: OutputTable) -> bigquery.S
         value = row.get(column)
         if kind == "timestamp" and isinstance(value, datetime) and value.tzinfo is None:
             value = value.replace(tzinfo=UTC)
+        if kind.startswith("list<"):
+            item = TYPES[kind].removeprefix("ARRAY<").removesuffix(">")
+            fields.append(bigquery.ArrayQueryParameter(column, item, list(value or [])))
+            continue
         fields.append(bigquery.ScalarQueryParameter(column, TYPES[kind], value))
     return bigquery.StructQueryParameter(None, *fields)

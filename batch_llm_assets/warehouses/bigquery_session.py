@@ -95,6 +95,12 @@ def table_parts(table: str) -> tuple[str | None, str, str]:
     )
 
 
+def _column_type(f: bigquery.SchemaField) -> str:
+    """A field's GoogleSQL type as DDL spells it (REPEATED INT64 -> ARRAY<INT64>)."""
+    kind = _LEGACY.get(f.field_type, f.field_type)
+    return f"ARRAY<{kind}>" if f.mode == "REPEATED" else kind
+
+
 def _bq(name: str) -> str:
     return "`" + name + "`"
 
@@ -155,10 +161,7 @@ class BigQuerySession(WarehouseSession):
                 description=f"{what} {table!r} does not exist in BigQuery dataset "
                 f"{ref.project}.{ref.dataset_id}."
             ) from None
-        schema = {
-            f.name: "ARRAY" if f.mode == "REPEATED" else _LEGACY.get(f.field_type, f.field_type)
-            for f in meta.schema
-        }
+        schema = {f.name: _column_type(f) for f in meta.schema}
         self._schemas[table] = schema
         return schema
 
@@ -308,10 +311,12 @@ class BigQuerySession(WarehouseSession):
                 "those columns."
             )
         missing = [(c, t) for c, t in wanted.items() if c not in existing]
-        if missing:  # DDL, not the tables API: bqemulator applies only DDL to its storage
-            adds = ", ".join(f"ADD COLUMN IF NOT EXISTS {_q(c)} {t}" for c, t in missing)
-            sql = f"ALTER TABLE {_qt(table)} {adds}"
-            run_dml(lambda: self._query(sql).result(), what=f"Adding columns to {table!r}")
+        # DDL, not the tables API: bqemulator applies only DDL to its storage; one statement per
+        # column, as bqemulator takes only one ALTER command per statement.
+        for c, t in missing:
+            sql = f"ALTER TABLE {_qt(table)} ADD COLUMN IF NOT EXISTS {_q(c)} {t}"
+            run_dml(lambda sql=sql: self._query(sql).result(), what=f"Adding {c} to {table!r}")
+        if missing:
             self._schemas.pop(table, None)
         run_dml(lambda: self._cluster(ref, key), what=f"Clustering {table!r} by {key}")
         self._id_types[table] = id_type
@@ -410,6 +415,27 @@ class BigQuerySession(WarehouseSession):
         param = [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)]
         [totals] = self._rows(totals_sql, param)
         return partition_summary_dict(totals, self._rows(errors_sql, param))
+
+    def null_fractions(
+        self, table: str, partition_key: str, columns: list[str]
+    ) -> dict[str, float]:
+        """Per column, the fraction of the partition's rows where it is NULL (typed outputs; an
+        ARRAY column counts an empty array, as BigQuery stores no NULL array)."""
+        if not columns:
+            return {}
+        schema = self._schema(table, what="Output table")
+        tests = [
+            f"{_q(c)} IS NULL OR ARRAY_LENGTH({_q(c)}) = 0"
+            if schema.get(c, "").startswith("ARRAY")
+            else f"{_q(c)} IS NULL"
+            for c in columns
+        ]
+        parts = ", ".join(f"AVG(IF({t}, 1.0, 0.0))" for t in tests)
+        [row] = self._rows(
+            f"SELECT {parts} FROM {_qt(table)} WHERE `partition_key` = @pk",
+            [bigquery.ScalarQueryParameter("pk", "STRING", partition_key)],
+        )
+        return {c: float(v) if v is not None else 0.0 for c, v in zip(columns, row, strict=True)}
 
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         """The first `limit` table names of 'dataset' or 'project.dataset', sorted.

@@ -33,8 +33,20 @@ from .base import (
     utc_window,
 )
 
-_NULLABLE = {"int": "Int64", "float": "Float64"}
-_TYPES = {"string": "VARCHAR", "int": "BIGINT", "float": "DOUBLE", "timestamp": "TIMESTAMPTZ"}
+_NULLABLE = {"int": "Int64", "float": "Float64", "bool": "boolean"}
+_SCALAR_TYPES = {
+    "string": "VARCHAR",
+    "int": "BIGINT",
+    "float": "DOUBLE",
+    "timestamp": "TIMESTAMPTZ",
+    "bool": "BOOLEAN",
+    "json": "JSON",  # typed outputs: an object field, queryable with ->> and json_extract
+}
+# Typed outputs: a list of scalars is a DuckDB LIST (list<string> -> VARCHAR[]).
+_TYPES = {
+    **_SCALAR_TYPES,
+    **{f"list<{k}>": f"{_SCALAR_TYPES[k]}[]" for k in ("string", "int", "float", "bool")},
+}
 # information_schema spells some types out.
 _SPELLED = {"TIMESTAMPTZ": "TIMESTAMP WITH TIME ZONE"}
 _NAIVE_TIMESTAMPS = frozenset({"TIMESTAMP", "TIMESTAMP_NS", "TIMESTAMP_MS", "TIMESTAMP_S"})
@@ -302,6 +314,19 @@ class DuckDBSession(WarehouseSession):
             totals = self.conn.execute(totals_sql, [partition_key]).fetchone()
             errors = self.conn.execute(errors_sql, [partition_key]).fetchall()
         return partition_summary_dict(totals, errors)
+
+    def null_fractions(
+        self, table: str, partition_key: str, columns: list[str]
+    ) -> dict[str, float]:
+        """Per column, the fraction of the partition's rows where it is NULL (typed outputs)."""
+        if not columns:
+            return {}
+        parts = ", ".join(f"avg(CASE WHEN {_q(c)} IS NULL THEN 1.0 ELSE 0.0 END)" for c in columns)
+        with self._lock:
+            row = self.conn.execute(
+                f"SELECT {parts} FROM {_qt(table)} WHERE partition_key = ?", [partition_key]
+            ).fetchone()
+        return {c: float(v) if v is not None else 0.0 for c, v in zip(columns, row, strict=True)}
 
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         return self.list_tables_page(dataset, None, limit)

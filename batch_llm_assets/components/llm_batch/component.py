@@ -167,6 +167,8 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     warn_failed_fraction: Annotated[float, _described("warn_failed_fraction")] = (
         DEFAULT_WARN_FAILED_FRACTION
     )
+    output_schema: Annotated[dict[str, Any] | None, _described("output_schema")] = None
+    repair_attempts: Annotated[int, _described("repair_attempts")] = 1
     mode: Annotated[Literal["live", "batch"], _described("mode")] = "live"
     batch: Annotated[BatchSpec | None, _described("batch")] = None
     chunk_rows: Annotated[int, _described("chunk_rows")] = DEFAULT_CHUNK_ROWS

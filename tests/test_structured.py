@@ -1,0 +1,529 @@
+"""Typed outputs: output_schema -> the provider's structured-output form -> validated answers ->
+typed columns (DuckDB, the BigQuery emulator), with repair, refusals and schema evolution.
+
+Everything runs against the simulator over HTTP, which answers schema requests with JSON
+generated from the schema (and, by settings, invalid, truncated or refused answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import dagster as dg
+import duckdb
+import pytest
+from pydantic import BaseModel, Field
+
+from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable
+from batch_llm_assets import build_llm_batch_asset as build
+from batch_llm_assets.assets.structured import OutputSchemaError, parse_output_schema
+from batch_llm_assets.components.llm_batch.component import (
+    LlmBatchComponent,
+    LlmBatchConfigError,
+)
+from batch_llm_assets.components.loader import load_defs_folder
+from batch_llm_assets.demo_data import create_demo_table
+from batch_llm_assets.engine.engine import ChatRequest
+from batch_llm_assets.engine.errors import BatchLLMError
+from batch_llm_assets.engine.structured import (
+    KINDS,
+    SCHEMA_MARKER,
+    provider_kind,
+    shape_request,
+    validator,
+)
+from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
+
+from .conftest import SIM_KEY, duckdb_query
+from .test_bigquery import PROJECT, bq, bq_endpoint, dataset, query  # noqa: F401 (fixtures)
+
+DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
+DAY = "2026-11-02"
+PER_DAY = 12
+PROMPT = Prompt(system="You are a financial analyst.", template="Headline: {{ headline }}")
+SENTIMENT = {
+    "label": {"type": "enum", "values": ["positive", "negative", "neutral"]},
+    "confidence": {"type": "number", "minimum": 0, "maximum": 1, "description": "0 to 1"},
+}
+
+
+class Analysis(BaseModel):
+    """Every supported kind of field, declared the Python way."""
+
+    label: Literal["positive", "negative", "neutral"] = Field(description="the sentiment")
+    confidence: float = Field(ge=0, le=1)
+    mentions: int = Field(ge=0, le=5)
+    about_rates: bool
+    tickers: list[str]
+    details: dict
+    sector: Literal["banks", "energy"] | None = Field(description="null when none applies")
+
+
+class ProfiledLLM(LLMResource):
+    """LLMResource with the provider setting the engine's profiles add (test-only stand-in:
+    the simulator's URL would otherwise be read as a generic server)."""
+
+    provider: str | None = Field(default=None, description="Provider profile name.")
+
+
+@pytest.fixture
+def ssim(fresh_sim):
+    """The simulator with its structured-output faults off (and off again afterwards)."""
+    off = dict(invalid_json=0.0, truncated_json=0.0, refuse=0.0, reject_json_schema=False)
+    fresh_sim.configure(**off)
+    yield fresh_sim
+    fresh_sim.configure(**off)
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = str(tmp_path / "w.duckdb")
+    create_demo_table(path, days=3, per_day=PER_DAY)
+    return path
+
+
+def asset(schema=SENTIMENT, **kw):
+    settings = dict(
+        name="sentiment",
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=PROMPT,
+        output="news_sentiment",
+        params={"max_tokens": 80},
+        partitions_def=DAYS,
+        output_schema=schema,
+    )
+    return build(**(settings | kw))
+
+
+def run(a, sim, warehouse, *, provider=None, **llm):
+    resource = ProfiledLLM(
+        base_url=sim.url, api_key=SIM_KEY, model="gpt-4o-mini", provider=provider, **llm
+    )
+    result = dg.materialize(
+        [a],
+        resources={"llm": resource, "warehouse": warehouse},
+        partition_key=DAY,
+        raise_on_error=False,
+    )
+    mats = result.asset_materializations_for_node("sentiment")
+    return result, ({k: v.value for k, v in mats[-1].metadata.items()} if mats else {})
+
+
+def rows(db, columns="*"):
+    return duckdb_query(db, f"SELECT {columns} FROM news_sentiment ORDER BY id")
+
+
+# -- the spec ---------------------------------------------------------------------------------------
+def test_python_and_yaml_forms_give_one_strict_schema():
+    yaml_form = parse_output_schema(
+        {
+            **SENTIMENT,
+            "mentions": {"type": "integer", "minimum": 0, "maximum": 5},
+            "about_rates": "boolean",
+            "tickers": {"type": "list", "items": "string"},
+            "details": "object",
+            "sector": {
+                "type": "enum",
+                "values": ["banks", "energy"],
+                "nullable": True,
+                "description": "null when none applies",
+            },
+        }
+    )
+    py_form = parse_output_schema(Analysis)
+    assert py_form.columns() == yaml_form.columns()
+    assert dict(py_form.columns()) == {
+        "label": "string",
+        "confidence": "float",
+        "mentions": "int",
+        "about_rates": "bool",
+        "tickers": "list<string>",
+        "details": "json",
+        "sector": "string",
+    }
+    schema = py_form.json_schema()
+    assert schema["properties"]["sector"] == {
+        "anyOf": [{"type": "string", "enum": ["banks", "energy"]}, {"type": "null"}],
+        "description": "null when none applies",
+    }
+    assert yaml_form.json_schema()["properties"]["sector"] == schema["properties"]["sector"]
+    assert schema["additionalProperties"] is False
+    assert schema["required"] == list(schema["properties"])
+    assert schema["properties"]["confidence"] == {"type": "number", "minimum": 0, "maximum": 1}
+    assert schema["properties"]["label"]["enum"] == ["positive", "negative", "neutral"]
+    assert py_form.descriptions() == {
+        "label": "the sentiment",
+        "sector": "null when none applies",
+    }
+    assert not py_form.strict_ok  # a free-form object cannot be strict
+    assert parse_output_schema(SENTIMENT).strict_ok
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"label": "text"}, "output_schema.label: unknown type 'text'"),
+        ({"label": {"type": "enum"}}, "output_schema.label: an enum needs values"),
+        ({"n": {"type": "number", "minimum": 2, "maximum": 1}}, "minimum is above maximum"),
+        ({"n": {"type": "string", "minimum": 0}}, "minimum applies to integer/number only"),
+        ({"xs": {"type": "list", "items": "object"}}, "a list needs items"),
+        ({"status": "string"}, "'status' clashes with an output column"),
+        ({"bad name": "string"}, "Invalid output_schema field name"),
+        ({}, "output_schema has no fields"),
+    ],
+)
+def test_a_bad_output_schema_is_refused_when_the_asset_is_built(schema, message):
+    with pytest.raises(OutputSchemaError if "Invalid" not in message else Exception, match=message):
+        asset(schema)
+
+
+def test_output_schema_errors_name_the_component_attribute():
+    component = LlmBatchComponent(
+        name="sentiment",
+        source={"table": "news_headlines", "partition_column": "published_at"},
+        prompt="Headline: {{ headline }}",
+        output="news_sentiment",
+        output_schema={"label": {"type": "enum", "values": []}},
+    )
+    with pytest.raises(LlmBatchConfigError, match=r"output_schema\.label: an enum needs values"):
+        component.build_asset()
+    with pytest.raises(BatchLLMError, match="response_format and output_schema are both set"):
+        asset(params={"response_format": {"type": "json_object"}})
+
+
+def test_answers_are_validated_against_the_schema():
+    spec = parse_output_schema(Analysis)
+    good = {
+        "label": "neutral",
+        "confidence": 1,
+        "mentions": 2,
+        "about_rates": False,
+        "tickers": ["AAPL"],
+        "details": {"k": 1},
+        "sector": None,
+    }
+    assert spec.parse(json.dumps(good))["confidence"] == 1.0
+    assert spec.parse(json.dumps(good | {"sector": "banks"}))["sector"] == "banks"
+    assert spec.row_values(json.dumps(good))["details"] == '{"k": 1}'
+    for change, problem in [
+        ({"label": "bullish"}, "label: Input should be"),
+        ({"confidence": 1.5}, "confidence: Input should be less than or equal to 1"),
+        ({"mentions": "2"}, "mentions: Input should be a valid integer"),
+        ({"extra": 1}, "extra: Extra inputs are not permitted"),
+        ({"sector": "tech"}, "sector"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            spec.parse(json.dumps(good | change))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        spec.parse('{"label": "neu')
+    assert set(spec.row_values("nope").values()) == {None}
+
+
+# -- request shaping --------------------------------------------------------------------------------
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_request_body_for_each_provider_kind(kind):
+    schema = parse_output_schema(SENTIMENT).json_schema()
+    given = {"temperature": 0, "response_format": {"type": "text"}}
+    params, messages = shape_request(kind, schema, MESSAGES, given, name="sentiment answer")
+    assert given == {"temperature": 0, "response_format": {"type": "text"}}  # not changed
+    assert params["temperature"] == 0
+    if kind in ("openai", "azure", "gemini", "ollama"):
+        assert params["response_format"] == {
+            "type": "json_schema",
+            "json_schema": {"name": "sentiment_answer", "schema": schema, "strict": True},
+        }
+    elif kind == "vllm":
+        assert params["structured_outputs"] == {"json": schema}
+        assert "response_format" not in params
+    elif kind == "llamacpp":
+        assert params["response_format"] == {"type": "json_object", "schema": schema}
+    else:
+        assert params["response_format"] == {"type": "json_object"}
+    if kind == "generic":  # the schema is stated in the system prompt instead
+        assert messages[0]["content"].startswith("Be brief.\n\n" + SCHEMA_MARKER)
+        assert json.loads(messages[0]["content"].split(SCHEMA_MARKER)[1]) == schema
+        assert MESSAGES[0]["content"] == "Be brief."
+    else:
+        assert messages == MESSAGES
+
+
+@pytest.mark.parametrize(
+    "url, api_version, provider, kind",
+    [
+        ("https://api.openai.com/v1", None, None, "openai"),
+        ("https://acme.openai.azure.com", "2024-10-21", None, "azure"),
+        ("https://generativelanguage.googleapis.com/v1beta/openai", None, None, "gemini"),
+        ("http://localhost:11434/v1", None, None, "ollama"),
+        ("http://vllm.internal:8000/v1", None, None, "vllm"),
+        ("http://llama-server:8080/v1", None, None, "llamacpp"),
+        ("http://10.0.0.5:9000/v1", None, None, "generic"),
+        ("http://10.0.0.5:9000/v1", None, "llama.cpp", "llamacpp"),
+        ("https://api.openai.com/v1", None, "vLLM", "vllm"),
+    ],
+)
+def test_the_provider_kind_comes_from_the_url_unless_named(url, api_version, provider, kind):
+    assert provider_kind(url, api_version=api_version, provider=provider) == kind
+
+
+@pytest.mark.parametrize(
+    "kind, transport", [(k, "aiohttp") for k in KINDS] + [("vllm", "openai"), ("openai", "openai")]
+)
+def test_the_simulator_answers_every_form_with_valid_json(ssim, kind, transport):
+    spec = parse_output_schema(Analysis)
+    params, messages = shape_request(
+        kind, spec.json_schema(), MESSAGES, {"max_tokens": 120}, strict=spec.strict_ok
+    )
+    llm = LLMResource(base_url=ssim.url, api_key=SIM_KEY, model="gpt-4o-mini", transport=transport)
+
+    async def one():
+        async with llm.engine() as engine:
+            req = ChatRequest(1, messages, params=params, validate=validator(spec.parse))
+            return await engine.run_one(req)
+
+    result = asyncio.run(one())
+    assert result.ok, result.error_message
+    assert set(spec.parse(result.response)) == set(spec.names)
+
+
+# -- typed columns ------------------------------------------------------------------------------
+def test_typed_round_trip_on_duckdb(ssim, db):
+    a = asset(Analysis)
+    result, md = run(a, ssim, DuckDBWarehouse(database=db))
+    assert result.success
+    assert md["rows_ok"] == PER_DAY
+    types = dict(
+        duckdb_query(
+            db,
+            "SELECT column_name, data_type FROM information_schema.columns "
+            "WHERE table_name = 'news_sentiment'",
+        )
+    )
+    assert {c: types[c] for c in parse_output_schema(Analysis).names} == {
+        "label": "VARCHAR",
+        "confidence": "DOUBLE",
+        "mentions": "BIGINT",
+        "about_rates": "BOOLEAN",
+        "tickers": "VARCHAR[]",
+        "details": "JSON",
+        "sector": "VARCHAR",
+    }
+    for label, conf, mentions, rates, tickers, details, response in rows(
+        db, "label, confidence, mentions, about_rates, tickers, details, response"
+    ):
+        raw = json.loads(response)  # `response` keeps the raw answer the columns came from
+        assert (label, conf, mentions, rates, tickers) == (
+            raw["label"],
+            raw["confidence"],
+            raw["mentions"],
+            raw["about_rates"],
+            raw["tickers"],
+        )
+        assert json.loads(details) == raw["details"]
+        assert 0 <= conf <= 1 and label in ("positive", "negative", "neutral")
+    assert md["batch_llm/null_fraction/label"] == 0.0
+    # The column schema lists the typed columns with their descriptions.
+    columns = {c.name: c for c in a.specs_by_key[a.key].metadata["dagster/column_schema"].columns}
+    assert columns["label"].description == "the sentiment" and columns["tickers"].type == (
+        "list<string>"
+    )
+    # The same schema again: every row is done, nothing is sent.
+    answered = ssim.stats()["answered"]
+    _, again = run(a, ssim, DuckDBWarehouse(database=db))
+    assert again["rows_skipped"] == PER_DAY and ssim.stats()["answered"] == answered
+
+
+@pytest.mark.bigquery
+def test_typed_round_trip_on_the_bigquery_emulator(ssim, bq_endpoint, bq, dataset):  # noqa: F811
+    a = asset(
+        Analysis,
+        source=SourceTable(
+            table=f"{dataset}.news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        output=f"{dataset}.news_sentiment",
+    )
+    warehouse = BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint)
+    result, md = run(a, ssim, warehouse)
+    assert result.success and md["rows_ok"] > 0
+    table = bq.get_table(f"{dataset}.news_sentiment")
+    kinds = {f.name: (f.field_type, f.mode) for f in table.schema}
+    assert kinds["about_rates"] == ("BOOLEAN", "NULLABLE")
+    assert kinds["tickers"] == ("STRING", "REPEATED")
+    assert kinds["mentions"][0] == "INTEGER" and kinds["details"][0] == "STRING"
+    got = query(
+        bq,
+        f"SELECT label, confidence, mentions, about_rates, tickers, details, response "
+        f"FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'",
+    )
+    assert len(got) == md["rows_ok"]
+    for label, conf, mentions, rates, tickers, details, response in got:
+        raw = json.loads(response)
+        assert [label, conf, mentions, rates, list(tickers), json.loads(details)] == [
+            raw[k] for k in ("label", "confidence", "mentions", "about_rates", "tickers", "details")
+        ]
+    # Rerun: the same identity, nothing sent; the table's types are accepted as they are.
+    answered = ssim.stats()["answered"]
+    result, again = run(a, ssim, warehouse)
+    assert result.success and again["rows_skipped"] == md["rows_ok"]
+    assert ssim.stats()["answered"] == answered
+
+
+# -- invalid answers, repair, refusals ------------------------------------------------------------
+def test_invalid_json_is_repaired_or_fails_invalid_output(ssim, db):
+    ssim.configure(invalid_json=0.5)
+    ssim.reset()
+    result, md = run(asset(max_failed_fraction=1.0), ssim, DuckDBWarehouse(database=db))
+    assert result.success
+    got = rows(db, "status, error_class, error, attempts, label, response, completion_tokens")
+    repaired = [r for r in got if r[0] == "ok" and r[3] == 2]
+    failed = [r for r in got if r[0] == "failed"]
+    assert repaired, "some first answers were invalid JSON and their repair was valid"
+    assert all(r[4] is not None for r in got if r[0] == "ok")
+    for _, error_class, error, attempts, label, response, _ in failed:
+        assert (error_class, attempts, label) == ("invalid_output", 2, None)
+        assert "not valid JSON" in error and response  # the raw answer is kept
+    # Every request's tokens are counted: the first answers' and the repairs'.
+    stats = ssim.stats()
+    assert stats["answered"] == sum(r[3] for r in got)
+    assert sum(r[6] for r in got) == stats["completion_tokens"] == md["completion_tokens"]
+    assert md["batch_llm/null_fraction/label"] == pytest.approx(len(failed) / len(got))
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert set(checks) == {"label_null_fraction", "confidence_null_fraction"}
+    assert checks["label_null_fraction"].metadata["null_fraction"].value == pytest.approx(
+        len(failed) / len(got)
+    )
+    assert checks["label_null_fraction"].passed  # max_failed_fraction is 1.0 here
+
+
+def test_without_repair_an_invalid_answer_fails_at_once(ssim, db):
+    ssim.configure(invalid_json=1.0)
+    a = asset(repair_attempts=0, max_failed_fraction=1.0)
+    result, md = run(a, ssim, DuckDBWarehouse(database=db))
+    assert result.success and md["rows_failed"] == PER_DAY
+    assert set(rows(db, "status, error_class, attempts")) == {("failed", "invalid_output", 1)}
+    assert md["batch_llm/null_fraction/confidence"] == 1.0
+
+
+def test_a_truncated_answer_is_invalid_output(ssim, db):
+    ssim.configure(truncated_json=1.0)
+    run(asset(repair_attempts=1), ssim, DuckDBWarehouse(database=db))
+    got = rows(db, "status, error_class, error, attempts")
+    assert {(s, c, n) for s, c, _, n in got} == {("failed", "invalid_output", 2)}
+    assert all(e.startswith("answer truncated at max_tokens") for _, _, e, _ in got)
+
+
+def test_a_refusal_fails_refusal_and_is_not_repaired(ssim, db):
+    ssim.configure(refuse=1.0)
+    run(asset(), ssim, DuckDBWarehouse(database=db))
+    got = rows(db, "status, error_class, error, attempts, label")
+    assert {(s, c, n, lbl) for s, c, _, n, lbl in got} == {("failed", "refusal", 1, None)}
+    assert all("can't help" in e for _, _, e, _, _ in got)
+
+
+# -- a provider that rejects the form -------------------------------------------------------------
+def test_a_provider_rejecting_json_schema_stops_the_run_not_each_row(ssim, db):
+    ssim.configure(reject_json_schema=True)
+    wh = DuckDBWarehouse(database=db)
+    result, md = run(asset(), ssim, wh, provider="openai", max_concurrency=2, max_attempts=6)
+    assert not result.success
+    # Not retried per row, and the breaker stops sending after 3 in a row (2 in flight).
+    assert ssim.stats()["rejected_json_schema"] <= 3 + 1
+    got = rows(db, "error_class, attempts")
+    assert {a for c, a in got if c == "structured_output_unsupported"} == {1}
+    assert {c for c, _ in got} == {"structured_output_unsupported", "aborted"}
+    errors = [e for (e,) in rows(db, "error") if "rejected the structured-output" in e]
+    assert errors and "json_schema" in errors[0]
+    # The form that server takes (llama.cpp's json_object + schema) works on the same server.
+    result, md = run(asset(), ssim, DuckDBWarehouse(database=db), provider="llamacpp")
+    assert result.success and md["rows_ok"] == PER_DAY
+
+
+# -- schema evolution ---------------------------------------------------------------------------
+def test_a_new_field_adds_a_nullable_column_and_reruns_the_rows(ssim, db):
+    result, _ = run(asset({"label": SENTIMENT["label"]}), ssim, DuckDBWarehouse(database=db))
+    assert result.success
+    hashes = dict(rows(db, "id, request_hash"))
+    result, md = run(asset(SENTIMENT), ssim, DuckDBWarehouse(database=db))
+    assert result.success
+    assert md["rows_skipped"] == 0 and md["rows_ok"] == PER_DAY  # the schema is in the identity
+    after = rows(db, "id, request_hash, confidence")
+    assert all(h != hashes[i] and c is not None for i, h, c in after)
+    # Rows of another partition, written before the column existed, read NULL in it.
+    con = duckdb.connect(db)
+    try:
+        con.execute("INSERT INTO news_sentiment (id, partition_key) VALUES (-1, 'old')")
+        assert con.execute("SELECT confidence FROM news_sentiment WHERE id = -1").fetchone() == (
+            None,
+        )
+    finally:
+        con.close()
+
+
+def test_a_changed_field_type_is_refused_naming_the_field_and_both_types(ssim, db):
+    assert run(asset(SENTIMENT), ssim, DuckDBWarehouse(database=db))[0].success
+    changed = {**SENTIMENT, "confidence": "string"}
+    result, _ = run(asset(changed), ssim, DuckDBWarehouse(database=db))
+    assert not result.success
+    message = result.get_step_failure_events()[0].step_failure_data.error.message
+    assert "confidence is DOUBLE, expected VARCHAR" in message
+
+
+# -- the demo ---------------------------------------------------------------------------------------
+def test_the_demo_asset_declares_label_and_confidence(ssim, db):
+    (demo,) = load_defs_folder("batch_llm_assets.defs").assets or []
+    columns = {
+        c.name: c for c in demo.specs_by_key[demo.key].metadata["dagster/column_schema"].columns
+    }
+    assert (columns["label"].type, columns["confidence"].type) == ("string", "float")
+    assert columns["confidence"].description
+    result = dg.materialize(
+        [demo],
+        partition_key=DAY,
+        resources={
+            "llm": LLMResource(base_url=ssim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
+            "warehouse": DuckDBWarehouse(database=db),
+        },
+    )
+    assert result.success
+    got = duckdb_query(
+        db,
+        "SELECT label, count(*), min(confidence), max(confidence) FROM news_sentiment GROUP BY 1",
+    )
+    assert {g[0] for g in got} <= {"positive", "negative", "neutral"}
+    assert sum(g[1] for g in got) == PER_DAY
+    assert all(0 <= g[2] <= g[3] <= 1 for g in got)
+
+
+@pytest.mark.bigquery
+def test_schema_evolution_on_the_bigquery_emulator(ssim, bq_endpoint, bq, dataset):  # noqa: F811
+    def bq_asset(schema):
+        return asset(
+            schema,
+            source=SourceTable(
+                table=f"{dataset}.news_headlines",
+                partition_column="published_at",
+                columns=["headline"],
+            ),
+            output=f"{dataset}.news_sentiment",
+        )
+
+    warehouse = BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint)
+    assert run(bq_asset({"label": SENTIMENT["label"]}), ssim, warehouse)[0].success
+    # Two new fields at once: two new nullable columns, and the rows run again.
+    grown = {**SENTIMENT, "tickers": {"type": "list", "items": "string"}}
+    result, md = run(bq_asset(grown), ssim, warehouse)
+    assert result.success and md["rows_skipped"] == 0
+    got = query(
+        bq, f"SELECT confidence, tickers FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'"
+    )
+    assert got and all(isinstance(c, float) and t and isinstance(t[0], str) for c, t in got)
+    # A changed type is refused, naming the field and both types.
+    result, _ = run(bq_asset({**grown, "confidence": "integer"}), ssim, warehouse)
+    message = result.get_step_failure_events()[0].step_failure_data.error.message
+    assert "confidence is FLOAT64, expected INT64" in message
