@@ -187,7 +187,11 @@ def test_the_demo_folder_declares_the_former_python_demo_asset():
     assert md["batch_llm/source_table"] == "news_headlines"
     assert md["batch_llm/output_table"] == "news_sentiment"
     assert asset.group_names_by_key[asset.key] == "demo"
-    assert {k.name for k in asset.check_keys} == CHECKS
+    # The two partition checks, and one NULL-fraction check per typed field (label, confidence).
+    assert {k.name for k in asset.check_keys} == CHECKS | {
+        "label_null_fraction",
+        "confidence_null_fraction",
+    }
     assert [s.job_name for s in demo.schedules or []] == ["headline_sentiment_job"]
 
     from batch_llm_assets import definitions

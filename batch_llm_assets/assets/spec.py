@@ -391,8 +391,10 @@ class LlmBatchSpec(_Spec):
         if self.model is not None and not self.model.strip():
             fail("model", "must be a non-empty model name (or be omitted)")
         check_params(self.params)
-        with at("output_schema"):
+        try:  # its errors already name the field ("output_schema.label: ...")
             typed = parse_output_schema(self.output_schema, reserved=[c for c, _ in OUTPUT_COLUMNS])
+        except BatchLLMError as exc:
+            raise LlmBatchConfigError(description=exc.description) from None
         if typed is not None and "response_format" in self.params:
             fail(
                 "params.response_format",

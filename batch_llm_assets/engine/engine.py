@@ -19,7 +19,7 @@ from . import _constants as C
 from . import errors as E
 from . import structured as S
 from .limiter import RedisLimiter
-from .outcome import classify_answer, tools_requested
+from .outcome import TRUNCATED, classify_answer, tools_requested
 from .tokens import count_prompt_tokens, encoding_for, requested_max_tokens
 from .transport import ChatResponse, ChatTransport
 
@@ -249,7 +249,8 @@ class Engine:
         """One request through validation, limiter, retries. Never raises for provider errors."""
         result = await self._send(req)
         # -- typed outputs: validate the answer, repair it (engine/structured.py) --
-        if req.validate is not None and result.ok:
+        # A truncated answer is invalid JSON: it is repaired or fails invalid_output (issue 12).
+        if req.validate is not None and (result.ok or result.error_class == TRUNCATED):
             return await S.validated(self._send, req, result)
         return result
 

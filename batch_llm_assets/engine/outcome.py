@@ -58,7 +58,9 @@ def classify_answer(resp: ChatResponse, *, tools_allowed: bool, max_tokens: int)
         )
     finish = resp.finish_reason
     if resp.refusal:
-        return Outcome("failed", None, REFUSAL, "the model refused to answer (see `refusal`)")
+        return Outcome(
+            "failed", None, REFUSAL, f"the model refused to answer: {str(resp.refusal)[:300]}"
+        )
     if finish == "content_filter":
         return Outcome(
             "failed",

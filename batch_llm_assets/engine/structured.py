@@ -185,7 +185,9 @@ async def validated(
         follow = ChatRequest(req.id, messages, params=req.params, deadline=req.deadline)
         result = await send(follow)
         total = _add(total, result)
-        if not result.ok:  # the provider failed the follow-up itself: that is the row's error
+        # The provider failed the follow-up itself: that is the row's error (a truncated answer
+        # is validated: it is invalid JSON).
+        if not result.ok and result.error_class != "truncated":
             return _merged(total, result, "failed", result.error_class, result.error_message)
     raise AssertionError("unreachable")
 
