@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable
 from batch_llm_assets import build_llm_batch_asset as build
-from batch_llm_assets.assets.structured import OutputSchemaError, parse_output_schema
+from batch_llm_assets.assets.structured import parse_output_schema
 from batch_llm_assets.components.llm_batch.component import (
     LlmBatchComponent,
     LlmBatchConfigError,
@@ -190,7 +190,7 @@ def test_output_schema_errors_name_the_component_attribute():
             output="news_sentiment",
             output_schema={"label": {"type": "enum", "values": []}},
         )
-    with pytest.raises(BatchLLMError, match="params.response_format: output_schema is set"):
+    with pytest.raises(BatchLLMError, match=r"params\.response_format: output_schema is set"):
         asset(params={"response_format": {"type": "json_object"}})
 
 
