@@ -24,6 +24,7 @@ from .errors import (
     classify_status,
     redact,
 )
+from .usage import Usage, parse_usage
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class ChatResponse:
     prompt_tokens: int | None
     completion_tokens: int | None
     headers: dict[str, str]
+    usage: Usage | None = None  # None: the provider sent no readable usage block
 
 
 class ChatTransport(Protocol):
@@ -60,17 +62,30 @@ def parse_retry_after(headers: dict[str, str]) -> float | None:
     return None
 
 
+def retry_hint_is_exact(headers: dict[str, str]) -> bool:
+    """retry-after-ms, or a fractional retry-after, is the wait; a whole-second retry-after is
+    the wait rounded up (OpenAI sends `1` for 13 ms), so only an upper bound."""
+    if headers.get("retry-after-ms"):
+        return True
+    value = headers.get("retry-after") or ""
+    try:
+        return float(value) != int(float(value))
+    except ValueError:
+        return False
+
+
 def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
     """The fields the engine needs from a chat.completion body; anything else is malformed."""
     try:
         choice = payload["choices"][0]
-        usage = payload.get("usage") or {}
+        usage = parse_usage(payload.get("usage"))
         return ChatResponse(
             content=(choice.get("message") or {}).get("content"),
             finish_reason=choice.get("finish_reason"),
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
+            prompt_tokens=usage.prompt_tokens if usage else None,
+            completion_tokens=usage.completion_tokens if usage else None,
             headers=headers,
+            usage=usage,
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(
@@ -80,16 +95,26 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
 
 def error_from_body(status: int, text: str, headers: dict[str, str], secret: str) -> ProviderError:
     """OpenAI's error JSON ({"error": {"message", "type", "code"}}) or raw text, redacted."""
-    code = None
+    code = param = None
     message = text[:500]
     try:
         err = json.loads(text).get("error") or {}
         if isinstance(err, dict):
-            code = err.get("code")
+            code = err.get("code") or err.get("type")
+            code = code if isinstance(code, str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
             message = err.get("message") or message
+        elif isinstance(err, str):
+            message = err
     except (ValueError, AttributeError):
         pass
-    error_class, retryable = classify_status(status, code, headers)
+    if (
+        code == "invalid_request_error"
+        and "max_tokens" in str(message)
+        and "not supported" in str(message)
+    ):
+        code = "unsupported_parameter"
+    error_class, retryable = classify_status(status, code, headers, str(message))
     return ProviderError(
         error_class,
         redact(f"HTTP {status}: {message}", secret),
@@ -97,6 +122,9 @@ def error_from_body(status: int, text: str, headers: dict[str, str], secret: str
         retryable=retryable,
         retry_after_s=parse_retry_after(headers),
         headers=headers,
+        code=code,
+        param=param,
+        hint_exact=retry_hint_is_exact(headers),
     )
 
 
