@@ -72,6 +72,16 @@ def fresh_sim(sim):
         jitter=0.2,
         bucket_s=1.0,
         api_key=SIM_KEY,
+        enforcement="bucket",
+        counting="tiktoken",
+        usage_shape="openai",
+        retry_after="both",
+        limit_header="per_minute",
+        rate_headers=True,
+        reasoning=False,
+        insufficient_quota=False,
+        fail_param=None,
+        models={"sim-1": 16_384, "gpt-4o-mini": 128_000},
     )
     sim.reset()
     return sim

@@ -33,7 +33,7 @@ PROFILES = {
     "gemini": Profile("gemini", 32, 120.0, True, True, True),
     "vllm": Profile("vllm", 64, 300.0, True, True, False),
     "llamacpp": Profile("llamacpp", 4, 600.0, False, True, False),
-    "generic": Profile("generic", 16, 120.0, False, False, False),
+    "generic": Profile("generic", 64, 60.0, False, True, False),
 }
 
 

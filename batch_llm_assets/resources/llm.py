@@ -54,14 +54,13 @@ class LLMResource(dg.ConfigurableResource):
         description="Default request parameters (temperature, max_tokens, seed, "
         "response_format, ...); a request's own params override them.",
     )
-    provider: (
-        Literal["openai", "azure", "gemini", "vllm", "llamacpp", "ollama", "generic"] | None
-    ) = Field(
+    provider: str | None = Field(
         default=None,
-        description="Provider profile (token-limit parameter, default concurrency and "
-        "timeout, structured output, usage). None: chosen from base_url (api.openai.com, "
-        "*.openai.azure.com, generativelanguage.googleapis.com, port 8000 vLLM, port "
-        "8080/11434 llama.cpp/Ollama; else generic).",
+        description="Provider profile: openai, azure, gemini, vllm, llamacpp (or ollama), "
+        "generic. It sets the token-limit parameter, default concurrency and timeout, "
+        "structured-output support and usage handling. None: chosen from base_url "
+        "(api.openai.com, *.openai.azure.com, generativelanguage.googleapis.com, port 8000 "
+        "vLLM, port 8080/11434 llama.cpp/Ollama; else generic).",
     )
     max_concurrency: int | None = Field(
         default=None,
@@ -161,6 +160,13 @@ class LLMResource(dg.ConfigurableResource):
     def _check_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {v!r}")
+        return v
+
+    @field_validator("provider")
+    @classmethod
+    def _check_provider(cls, v: str | None) -> str | None:
+        if v is not None:
+            profile_for(v, "")  # raises naming the known providers
         return v
 
     def __repr_args__(self):  # keep the key out of reprs, logs and tracebacks
