@@ -311,7 +311,10 @@ def test_the_burst_grows_to_the_providers_bucket_and_shrinks_on_a_429(redis_url,
         waits = [(await lim.acquire(1000)).wait_s for _ in range(40)]
         assert max(waits) == 0  # 40k tokens at once (the configured burst is 500)
         await lim.penalize(retry_after_s=None)
-        assert (await lim.acquire(1000)).wait_s > 1.0  # back to paced
+        # Back to paced from now (not a minute of schedule to wait out): one request at once,
+        # the next after its emission interval at the slowed rate (1000 / 700 per s).
+        assert (await lim.acquire(1000)).wait_s == 0
+        assert 1.0 < (await lim.acquire(1000)).wait_s < 2.0
         await client.aclose()
 
     asyncio.run(main())

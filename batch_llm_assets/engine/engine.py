@@ -139,6 +139,10 @@ class Engine:
         )
         self._paused_until = 0.0
         self._pause_epoch = 0  # bumped by every shared pause: slots granted before it are stale
+        # Set when the provider's headers widen the burst: requests sleeping on slots granted
+        # at the narrower one take fresh slots, which may be now.
+        self._burst_grew = asyncio.Event()
+        self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
         self.token_param = settings.token_param or token_param_for(settings.model)
         self.token_param_switched = False  # the provider rejected the first choice (recorded)
         self.warned_usage_estimated = False
@@ -358,11 +362,14 @@ class Engine:
                     await self._refund(grant, estimate)
                 return None
             due = time.monotonic() + grant.wait_s
-            if grant.wait_s > 0:
-                st.waited += grant.wait_s
+            woke = False
+            if grant.wait_s > self.limiter.settings.burst_s:
+                woke = await self._sleep_unless_burst_grows(grant.wait_s)
+            elif grant.wait_s > 0:
                 await asyncio.sleep(grant.wait_s)
+            st.waited += grant.wait_s - max(0.0, due - time.monotonic())
             hold = self._paused_until - time.monotonic()
-            stale = epoch != self._pause_epoch or hold > 0
+            stale = woke or epoch != self._pause_epoch or hold > 0
             late = time.monotonic() - due > self.limiter.settings.burst_s
             if not stale and not late:
                 return grant
@@ -371,6 +378,15 @@ class Engine:
                 st.waited += hold
                 await asyncio.sleep(hold)
         return grant
+
+    async def _sleep_unless_burst_grows(self, seconds: float) -> bool:
+        """Sleep; True if woken early because the burst grew (the slot may now be too late)."""
+        event = self._burst_grew
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     async def _refund(self, grant: Grant, estimate: int) -> None:
         if self.limiter is not None and grant.granted:
@@ -442,9 +458,15 @@ class Engine:
         limits = parse_limits(resp.headers)
         if not limits.empty:
             try:
-                await self.limiter.observe(limits)
+                burst = await self.limiter.observe(limits)
             except E.LimiterUnavailableError:
-                pass
+                burst = self._burst_s
+            if burst > 1.5 * self._burst_s:
+                self._burst_s = burst
+                self._burst_grew.set()
+                self._burst_grew = asyncio.Event()
+            elif burst < self._burst_s:
+                self._burst_s = burst
         if resp.usage is None:
             return
         answer = max_tokens

@@ -204,13 +204,16 @@ if op == 'penalize' then
     f0 = factor
     ft = now
   end
+  -- A burst grown to the provider's bucket has spent it: the schedule ran up to a bucket
+  -- ahead. The bucket is empty now, so the schedule restarts from here, paced.
+  local shrink = lb > burst
   lb = 0
   if extra > 0 then pause = math.max(pause, now + extra) end
   -- The provider's bucket is empty: no burst until it has refilled, so what was held (and what
   -- comes after the pause) goes out at the paced rate, never all at once.
   local from = math.max(now, pause) + burst
-  if rpm > 0 then tr = math.max(tr, from) end
-  if tpm > 0 then tt = math.max(tt, from) end
+  if rpm > 0 then tr = shrink and from or math.max(tr, from) end
+  if tpm > 0 then tt = shrink and from or math.max(tt, from) end
   -- The rejected request's slot is not given back: the provider is over its limit already.
   save_state()
   return {1, 0, math.floor(f0 * 1e6), 0, 0}
@@ -231,9 +234,9 @@ if op == 'observe' then
     if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
   end
   -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
-  if cap > 0 and now - dec >= cooldown then lb = math.max(lb * 0.9, cap * 0.9) end
+  if cap > 0 and now - dec >= cooldown then lb = cap end
   save_state()
-  return {1, 0, math.floor(factor * 1e6), 0, 0}
+  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}
 end
 
 -- acquire

@@ -276,16 +276,17 @@ class RedisLimiter:
         res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1))
         return res[2] / 1e6
 
-    async def observe(self, limits: ProviderLimits) -> None:
-        """Fold the provider's x-ratelimit-* state into the shared schedule."""
+    async def observe(self, limits: ProviderLimits) -> float:
+        """Fold the provider's x-ratelimit-* state into the shared schedule; returns the burst
+        (seconds) now in force, grown to the provider's bucket as its headers show it."""
         self._adopt_limits(limits)
         if limits.remaining_tokens is None and limits.remaining_requests is None:
-            return
+            return self.settings.burst_s
 
         def ms(v: float | None) -> float:
             return -1 if v is None else v * 1000
 
-        await self._call(
+        res = await self._call(
             "observe",
             -1 if limits.remaining_tokens is None else limits.remaining_tokens,
             0,
@@ -295,6 +296,7 @@ class RedisLimiter:
                 ms(limits.reset_requests_s),
             ),
         )
+        return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
 
     def _adopt_limits(self, limits: ProviderLimits) -> None:
         """Lower rpm/tpm to what x-ratelimit-limit-* (with remaining and reset) says; once."""
