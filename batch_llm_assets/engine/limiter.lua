@@ -234,7 +234,9 @@ if op == 'observe' then
     if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
   end
   -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
-  if cap > 0 and now - dec >= cooldown then lb = cap end
+  -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
+  -- the headers' lag: a 1 s bucket gives no more than the default half second.
+  if cap > 0 and now - dec >= cooldown then lb = cap - math.max(burst, 0.1 * cap) end
   save_state()
   return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}
 end
