@@ -21,10 +21,11 @@ MAX_SERVER_HINT_S = 600.0
 
 # Breaker: the same non-transient error (same status, code and message shape) on this many
 # consecutive distinct rows stops sending. Retries per run: a base plus a fraction of the rows
-# started (like gRPC's retry throttling), so a sick provider is not sent rows x attempts.
+# started (like gRPC's retry throttling), so a sick provider is sent at most ~3x the rows, not
+# rows x max_attempts. Retries after a 429 are paced by the limiter and do not count.
 BREAKER_THRESHOLD = 5
 RETRY_BUDGET_BASE = 100
-RETRY_BUDGET_RATIO = 0.2
+RETRY_BUDGET_RATIO = 2.0
 # Tokens estimated with a fallback encoding (a model tiktoken does not know) are scaled up by
 # this margin, so the TPM reservation and the context check are not too low.
 FALLBACK_ESTIMATE_MARGIN = 0.25

@@ -418,7 +418,8 @@ class Engine:
         self.breaker.error(exc, signatures)
         if not exc.retryable or st.attempt >= self.s.max_attempts:
             return None
-        if not self.breaker.take_retry():
+        rate_limited = exc.status == 429 and exc.error_class == E.RATE_LIMITED
+        if not rate_limited and not self.breaker.take_retry():
             exc.message += " (the run's retry budget is spent)"
             return None
         return backoff_delay(st.attempt, exc.retry_after_s, exact=exc.hint_exact)
