@@ -13,6 +13,10 @@ import sys
 from .simulator.server import SimConfig, Simulator, start_site
 
 
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def _sim_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="run the OpenAI-compatible provider simulator")
     p.add_argument("--host", default="127.0.0.1")
@@ -28,7 +32,7 @@ def _sim_parser(sub: argparse._SubParsersAction) -> None:
             )
             continue
         value = getattr(defaults, f.name)
-        kind = {int: int, float: float}.get(type(value), str)
+        kind = {int: int, float: float, bool: _flag}.get(type(value), str)
         if f.name in ("rpm", "tpm"):
             kind = int
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=value)

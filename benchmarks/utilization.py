@@ -6,6 +6,12 @@ Utilization is measured at the simulator: tokens (or requests) it admitted per s
 steady part of the run, divided by the limit. Prints one JSON line last.
 
     python benchmarks/utilization.py [--requests 3000] [--processes 4] [--bind rpm]
+
+--matrix runs one quick job per provider shape (benchmarks/_matrix.py: enforcement x bind x
+configured/true x token counting), prints a table and, last, one JSON line with the worst cell;
+--cell picks cells (e.g. bucket60s/tpm), --stall-s blocks the event loop mid-run:
+
+    python benchmarks/utilization.py --matrix [--cell bucket1s/tpm/1.0] [--stall-s 2]
 """
 
 from __future__ import annotations
@@ -82,7 +88,15 @@ def main() -> None:
     ap.add_argument("--bind", choices=["tpm", "rpm"], default="tpm")
     ap.add_argument("--target-s", type=float, default=45.0, help="ideal duration of the job")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    ap.add_argument("--matrix", action="store_true", help="every provider shape, one job each")
+    ap.add_argument("--cell", help="matrix cells whose name has these parts, e.g. bucket1s/rpm")
+    ap.add_argument("--stall-s", type=float, default=0.0, help="block the event loop mid-run")
+    ap.add_argument("--cell-requests", type=int, default=300, help="requests per matrix cell")
+    ap.add_argument("--cell-target-s", type=float, default=3.0, help="binding part of a cell")
     args = ap.parse_args()
+    if args.matrix or args.stall_s:
+        matrix(args)
+        return
 
     prompts = make_prompts(args.requests)
     total_tokens = sum(count_prompt_tokens(messages(p), MODEL) + MAX_TOKENS for p in prompts)
@@ -155,6 +169,46 @@ def main() -> None:
         field = "tokens" if args.bind == "tpm" else "requests"
         figures["jain_fairness"] = round(jain([r[field] / (r["end"] - start) for r in results]), 4)
     print(json.dumps(figures))
+
+
+def matrix(args) -> None:
+    import _matrix as M
+
+    valkey = None
+    redis_url = args.redis_url
+    if not redis_url:
+        valkey = EmbeddedValkey().start()
+        redis_url = valkey.url
+    only = args.cell if args.matrix else (args.cell or "bucket1s/tpm/1.0/tiktoken")
+    results = []
+    try:
+        with SimulatorProcess(latency_ms=20, latency_per_token_ms=0.2) as sim:
+            for cell in M.cells(only):
+                r = M.run_cell(
+                    sim,
+                    redis_url,
+                    *cell,
+                    requests=args.cell_requests,
+                    target_s=args.cell_target_s,
+                    stall_s=args.stall_s,
+                )
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        if valkey is not None:
+            valkey.stop()
+    M.print_table(results)
+    worst = M.worst(results)
+    print(
+        json.dumps(
+            {
+                "cells": len(results),
+                "all_meet": all(map(M.meets, results)),
+                "stall_s": args.stall_s,
+                "worst": worst,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -83,6 +83,16 @@ def fresh_sim(sim):
         fail_marker=None,
         fail_429_every=0,
         surrogate_every=0,
+        enforcement="bucket",
+        counting="tiktoken",
+        usage_shape="openai",
+        retry_after="both",
+        limit_header="per_minute",
+        rate_headers=True,
+        reasoning=False,
+        insufficient_quota=False,
+        fail_param=None,
+        models={"sim-1": 16_384, "gpt-4o-mini": 128_000},
     )
     sim.reset()
     return sim

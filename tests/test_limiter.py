@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing as mp
 import random
 import time
@@ -203,3 +204,117 @@ def test_keys_are_namespaced_without_the_api_key(redis_url):
     keys = [k.decode() for k in r.keys(ns.replace("{", "\\{").replace("}", "\\}") + "*")]
     assert keys and all(secret not in k for k in keys)
     assert all(r.pttl(k) > 0 for k in keys)  # nothing lives forever
+
+
+def test_time_stepping_back_neither_stops_nor_runs_the_limiter_ahead(redis_url, namespace):
+    """A failover to a server whose clock is an hour behind: stored times are an hour ahead."""
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, burst_s=0.5)
+        await lim.acquire(0)
+        await lim.penalize(retry_after_s=None)
+        key = f"{namespace}:state"
+        hour = 3_600_000
+        st = {k.decode(): float(v) for k, v in (await client.hgetall(key)).items()}
+        shifted = {k: st[k] + hour for k in ("tr", "ft", "dec", "ts")}
+        await client.hset(key, mapping=shifted)
+        grant = await lim.acquire(0)
+        assert grant.wait_s < 1.0  # not an hour
+        assert 0.1 <= grant.factor <= 1.0  # never negative (a negative factor turned it off)
+        # Still limiting: 10 requests/s with a 0.5 s burst, so the 20th waits about 1.4 s.
+        waits = [(await lim.acquire(0)).wait_s for _ in range(20)]
+        assert 0.8 < waits[-1] < 4.0
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, min_factor=0.1)
+        await lim.acquire(0)
+        await client.hset(f"{namespace}:state", mapping={"f": -3, "ft": 0})
+        assert (await lim.acquire(0)).factor >= 0.1
+        await client.hset(f"{namespace}:state", mapping={"f": 7})
+        assert (await lim.acquire(0)).factor <= 1.0
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_one_overload_event_is_one_decrease(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, cooldown_ms=0)
+        early = [await lim.acquire(0) for _ in range(5)]  # granted before the first 429
+        first = await lim.penalize(retry_after_s=None, slot_ms=early[0].slot_ms)
+        assert first == pytest.approx(0.7, abs=0.01)
+        for g in early[1:]:  # their 429s arrive later: the same event
+            assert await lim.penalize(retry_after_s=None, slot_ms=g.slot_ms) > 0.65
+        await asyncio.sleep(0.05)
+        late = await lim.acquire(0)  # granted after the decrease: a new event
+        assert await lim.penalize(retry_after_s=None, slot_ms=late.slot_ms) < 0.5
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_after_a_pause_held_and_new_requests_go_out_paced(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=1200, tpm=None, burst_s=0.5)
+        await lim.acquire(0)
+        await lim.penalize(retry_after_s=0.5)
+        waits = sorted([(await lim.acquire(0)).wait_s for _ in range(10)])
+        assert waits[0] >= 0.45  # nobody before the pause ends
+        # ... and then at the (slowed) rate, not all at once: 20/s x 0.7 = 14/s.
+        gaps = [b - a for a, b in itertools.pairwise(waits)]
+        assert min(gaps) > 0.05 and waits[-1] - waits[0] > 0.5
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_long_server_hint_pauses_everyone_for_a_minute_at_most(redis_url, namespace):
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None)
+        await lim.acquire(0)
+        await lim.penalize(retry_after_s=3600)
+        grant = await lim.acquire(0)
+        assert 50 < grant.wait_s <= 61
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_providers_remaining_caps_what_is_promised(redis_url, namespace):
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        assert (await lim.acquire(400)).wait_s == 0  # the burst holds 500
+        await lim.observe(ProviderLimits(remaining_tokens=0, reset_tokens_s=0.5))
+        # The provider says nothing remains: the burst left here (100) is not promised; as in
+        # any GCRA, one request may cross the line, the next waits for the refill.
+        await lim.acquire(50)
+        assert (await lim.acquire(50)).wait_s > 0.04
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_burst_grows_to_the_providers_bucket_and_shrinks_on_a_429(redis_url, namespace):
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        # A minute-long bucket, nearly full: 59k remain, 1 s to refill the rest.
+        await lim.observe(ProviderLimits(remaining_tokens=59_000, reset_tokens_s=1.0))
+        waits = [(await lim.acquire(1000)).wait_s for _ in range(40)]
+        assert max(waits) == 0  # 40k tokens at once (the configured burst is 500)
+        await lim.penalize(retry_after_s=None)
+        # Back to paced from now (not a minute of schedule to wait out): one request at once,
+        # the next after its emission interval at the slowed rate (1000 / 700 per s).
+        assert (await lim.acquire(1000)).wait_s == 0
+        assert 1.0 < (await lim.acquire(1000)).wait_s < 2.0
+        await client.aclose()
+
+    asyncio.run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 
 import aiohttp
@@ -11,6 +12,7 @@ import pytest
 import tiktoken
 
 from batch_llm_assets.engine import count_prompt_tokens
+from batch_llm_assets.simulator.limits import make_limit
 from batch_llm_assets.simulator.server import openai_duration
 
 from .conftest import SIM_KEY
@@ -155,3 +157,108 @@ def test_models_and_stats(fresh_sim):
     stats = fresh_sim.stats()
     assert stats["answered"] == 1 and stats["series"][0]["requests"] == 1
     assert stats["config"]["api_key"] is None  # the stats never show the key
+
+
+# -- modes that model real providers (simulator/limits.py) ------------------------------------
+
+
+def _admit_all(limit, costs, start, step):
+    """Offer `costs` every `step` s from `start`; the times admitted."""
+    admitted = []
+    for i, cost in enumerate(costs):
+        now = start + i * step
+        if limit.wait_for(cost, now) == 0:
+            limit.take(cost, now)
+            admitted.append(now)
+    return admitted
+
+
+@pytest.mark.parametrize("bucket_s", [0.1, 1.0, 10.0, 60.0])
+def test_a_token_bucket_of_any_capacity(bucket_s):
+    limit = make_limit(600, enforcement="bucket", bucket_s=bucket_s, now=0.0)  # 10/s
+    assert limit.capacity == pytest.approx(max(1.0, 10 * bucket_s))
+    admitted = _admit_all(limit, [1] * 4000, 0.0, 0.001)  # 1000/s offered for 4 s
+    assert len(admitted) == pytest.approx(limit.capacity + 10 * 4, abs=1.5)
+
+
+def test_a_fixed_window_resets_at_its_edge():
+    limit = make_limit(600, enforcement="fixed_window", window_s=10.0, now=0.0)  # 100 per 10 s
+    admitted = _admit_all(limit, [1] * 2000, 0.0, 0.01)  # 20 s
+    assert len(admitted) == 200
+    # Everything in the first instants of each window: the burst real fixed windows allow.
+    assert max(t for t in admitted if t < 10) < 1.01
+    assert limit.wait_for(1, 19.5) == pytest.approx(0.5)
+
+
+def test_a_sliding_window_never_holds_more_than_its_limit():
+    limit = make_limit(600, enforcement="sliding_window", window_s=10.0, now=0.0)
+    admitted = _admit_all(limit, [1] * 3000, 0.0, 0.01)  # 30 s
+    for t in admitted:
+        assert sum(1 for u in admitted if t - 10 < u <= t) <= 100
+    assert len(admitted) == 300
+
+
+def test_quantized_per_second_enforcement_of_a_per_minute_limit():
+    limit = make_limit(600, enforcement="quantized", now=0.0)  # 10 per 1 s
+    admitted = _admit_all(limit, [1] * 500, 0.0, 0.01)  # 5 s
+    assert len(admitted) == 50
+    assert all(sum(1 for t in admitted if s <= t < s + 1) == 10 for s in range(5))
+
+
+def test_windows_report_remaining_and_reset():
+    limit = make_limit(600, enforcement="fixed_window", window_s=10.0, now=0.0)
+    limit.take(30, 1.0)
+    assert limit.remaining(2.0) == 70 and limit.reset_s(2.0) == pytest.approx(8.0)
+
+
+def test_chars4_counting_and_other_usage_shapes(fresh_sim):
+    fresh_sim.configure(counting="chars4", usage_shape="input_output")
+    req = body("Stocks soar on rate cut hopes " * 10)
+    status, _, text = post(fresh_sim.url, req)
+    usage = json.loads(text)["usage"]
+    assert status == 200 and set(usage) == {"input_tokens", "output_tokens"}
+    assert usage["input_tokens"] == math.ceil(len(json.dumps(req["messages"])) / 4)
+    assert usage["input_tokens"] != count_prompt_tokens(req["messages"], "sim-1")
+    fresh_sim.configure(usage_shape="none")
+    assert "usage" not in json.loads(post(fresh_sim.url, body())[2])
+
+
+@pytest.mark.parametrize(
+    "style,present,absent",
+    [("seconds", "retry-after", "retry-after-ms"), ("ms", "retry-after-ms", "retry-after")],
+)
+def test_retry_after_styles(fresh_sim, style, present, absent):
+    fresh_sim.configure(rpm=60, bucket_s=1.0, retry_after=style)
+    post(fresh_sim.url, body("a"))
+    status, headers, _ = post(fresh_sim.url, body("b"))
+    assert status == 429 and present in headers and absent not in headers
+    if style == "seconds":  # rounded up: about 1 s to wait, said as "1"
+        assert headers["retry-after"] == "1"
+
+
+def test_limit_headers_as_capacity_or_none(fresh_sim):
+    fresh_sim.configure(rpm=1200, bucket_s=1.0, limit_header="capacity")
+    _, headers, _ = post(fresh_sim.url, body())
+    assert headers["x-ratelimit-limit-requests"] == "20"  # the bucket, not 1200/min
+    fresh_sim.configure(limit_header="none", rate_headers=False)
+    _, headers, _ = post(fresh_sim.url, body())
+    assert not [h for h in headers if h.startswith("x-ratelimit-")]
+
+
+def test_provider_error_modes(fresh_sim):
+    fresh_sim.configure(reasoning=True)
+    status, _, text = post(fresh_sim.url, body())
+    err = json.loads(text)["error"]
+    assert status == 400 and err["code"] == "unsupported_parameter" and err["param"] == "max_tokens"
+    req = body()
+    req["max_completion_tokens"] = req.pop("max_tokens")
+    assert post(fresh_sim.url, req)[0] == 200
+    fresh_sim.configure(reasoning=False, fail_param="response_format")
+    assert post(fresh_sim.url, body(response_format={"type": "json_object"}))[0] == 500
+    assert post(fresh_sim.url, body())[0] == 200
+    fresh_sim.configure(fail_param=None, insufficient_quota=True)
+    status, _, text = post(fresh_sim.url, body())
+    assert status == 429 and json.loads(text)["error"]["code"] == "insufficient_quota"
+    fresh_sim.configure(insufficient_quota=False, tpm=1000)
+    status, _, text = post(fresh_sim.url, body("word " * 1200))
+    assert status == 429 and "Request too large" in json.loads(text)["error"]["message"]

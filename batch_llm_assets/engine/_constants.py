@@ -13,8 +13,24 @@ DEFAULT_MAX_TOKENS = 256
 INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
 RETRY_JITTER = 0.25
-# A server hint (retry-after-ms / retry-after) is honoured when it is within this bound.
-MAX_SERVER_HINT_S = 60.0
+# Server hints, capped here and only here. A hint (retry-after-ms / retry-after) pauses every
+# job on the key for at most MAX_SHARED_PAUSE_S; the row that got a longer one waits it alone,
+# up to MAX_SERVER_HINT_S (beyond that the hint is not believed: normal backoff).
+MAX_SHARED_PAUSE_S = 60.0
+MAX_SERVER_HINT_S = 600.0
+
+# Breaker: the same non-transient error (same status, code and message shape) on this many
+# consecutive distinct rows stops sending. Retries per run: a base plus a fraction of the rows
+# started (like gRPC's retry throttling), so a sick provider is sent at most ~3x the rows, not
+# rows x max_attempts. Retries after a 429 are paced by the limiter and do not count.
+BREAKER_THRESHOLD = 5
+RETRY_BUDGET_BASE = 100
+RETRY_BUDGET_RATIO = 2.0
+# Tokens estimated with a fallback encoding (a model tiktoken does not know) are scaled up by
+# this margin, so the TPM reservation and the context check are not too low.
+FALLBACK_ESTIMATE_MARGIN = 0.25
+# One log line per kind of limiter warning per this many seconds.
+WARN_EVERY_S = 10.0
 
 # Limiter: burst allowance in seconds of the limit (never a full minute), fair-share lease life,
 # adaptive slow-down on 429s that got through anyway.
@@ -24,11 +40,20 @@ ADAPT_DECREASE = 0.7
 ADAPT_RECOVERY_PER_S = 0.05
 ADAPT_MIN_FACTOR = 0.1
 ADAPT_COOLDOWN_MS = 1_000
+# A request that woke more than the burst after its slot (or whose slot a pause overtook) takes
+# a fresh one, at most this many times.
+MAX_FRESH_SLOTS = 3
+# The provider's bucket, as its headers show it, may widen the burst up to this (seconds).
+MAX_LEARNED_BURST_S = 60.0
+# Above the rate at which 429s began, recovery probes this much slower.
+ADAPT_PROBE_SLOWDOWN = 5.0
 # How long a limiter call waits out an unreachable Redis before the request fails.
 LIMITER_OUTAGE_S = 60.0
 
 # Requests rejected with these errors, this many times in a row, abort the batch.
 FATAL_ERROR_THRESHOLD = 3
+# How long opening the engine may take to reach and authenticate to Redis.
+REDIS_CONNECT_TIMEOUT_S = 5.0
 
 # Context windows (tokens) of well-known models; override with LLMResource.context_window.
 CONTEXT_WINDOWS = {

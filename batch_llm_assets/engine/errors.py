@@ -30,6 +30,9 @@ ABORTED = "aborted"
 INVALID_OUTPUT = "invalid_output"  # not JSON, off the schema, or truncated, after repairs
 REFUSAL = "refusal"  # the model declined (message.refusal)
 STRUCTURED_UNSUPPORTED = "structured_output_unsupported"  # the provider refused the JSON form
+INSUFFICIENT_QUOTA = "insufficient_quota"
+REQUEST_TOO_LARGE = "request_too_large"
+RETRY_BUDGET = "retry_budget_exhausted"
 
 _STATUS_CLASSES = {
     400: BAD_REQUEST,
@@ -42,7 +45,15 @@ _STATUS_CLASSES = {
     429: RATE_LIMITED,
 }
 # Errors that say every further request will fail the same way: they trip the batch's breaker.
-FATAL_CLASSES = frozenset({AUTHENTICATION, PERMISSION_DENIED, NOT_FOUND})
+FATAL_CLASSES = frozenset({AUTHENTICATION, PERMISSION_DENIED, NOT_FOUND, INSUFFICIENT_QUOTA})
+# Fatal at the first occurrence: the key is out of credit, nothing further can succeed.
+IMMEDIATELY_FATAL = frozenset({INSUFFICIENT_QUOTA})
+# Errors that say nothing about the shared rate: they never slow the limiter down.
+NOT_RATE_SIGNALS = frozenset({INSUFFICIENT_QUOTA, REQUEST_TOO_LARGE})
+_BILLING_CODES = frozenset(
+    {"insufficient_quota", "billing_hard_limit_reached", "billing_not_active", "quota_exceeded"}
+)
+_TOO_LARGE_CODES = frozenset({"request_too_large", "tokens_exceeded"})
 
 
 class BatchLLMError(Exception):
@@ -71,6 +82,9 @@ class ProviderError(Exception):
         retryable: bool = False,
         retry_after_s: float | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        hint_exact: bool = True,
     ) -> None:
         super().__init__(message)
         self.error_class = error_class
@@ -79,12 +93,42 @@ class ProviderError(Exception):
         self.retryable = retryable
         self.retry_after_s = retry_after_s
         self.headers = headers or {}
+        self.code = code  # the provider's error code or type, e.g. "insufficient_quota"
+        self.param = param  # the parameter the provider named, e.g. "max_tokens"
+        self.hint_exact = hint_exact  # False: retry_after_s is whole seconds rounded up
+
+    @property
+    def signature(self) -> str:
+        """What stays the same when one cause fails many rows: status, code, message shape."""
+        return f"{self.status}|{self.code or ''}|{_IDS.sub('#', self.message)[:200]}"
+
+    @property
+    def unsupported_param(self) -> str | None:
+        """The parameter a 400 says the model does not support (gpt-5 / o-series max_tokens)."""
+        if self.status != 400 or self.code not in ("unsupported_parameter", "unsupported_value"):
+            return None
+        return self.param or next((p for p in _TOKEN_PARAMS if p in self.message), None)
 
 
-def classify_status(status: int, code: str | None, headers: dict[str, str]) -> tuple[str, bool]:
-    """(error class, retryable) for an HTTP error. An explicit x-should-retry header wins."""
+_TOKEN_PARAMS = ("max_tokens", "max_completion_tokens")
+# Ids, hex digests and numbers vary between rows failing for one cause: strip them.
+_IDS = re.compile(r"(req|chatcmpl|call|run|id)[-_][A-Za-z0-9]+|[0-9a-f]{8,}|\d+(\.\d+)?")
+
+
+def classify_status(
+    status: int, code: str | None, headers: dict[str, str], message: str = ""
+) -> tuple[str, bool]:
+    """(error class, retryable) for an HTTP error. An explicit x-should-retry header wins,
+    except for errors that no retry can fix (out of credit, too large, over the context)."""
     if code == "context_length_exceeded":
         return CONTEXT_LENGTH, False
+    if code in _BILLING_CODES:
+        return INSUFFICIENT_QUOTA, False
+    lowered = message.lower()
+    if status == 413 or code in _TOO_LARGE_CODES or "request too large" in lowered:
+        return REQUEST_TOO_LARGE, False
+    if status == 429 and ("exceeded your current quota" in lowered or "billing" in lowered):
+        return INSUFFICIENT_QUOTA, False
     error_class = _STATUS_CLASSES.get(status) or (SERVER_ERROR if status >= 500 else BAD_REQUEST)
     hint = headers.get("x-should-retry")
     if hint in ("true", "false"):

@@ -10,15 +10,29 @@
 -- is deferred: it gets a ticket (its own slot is reserved) and a wait, and then acquires again
 -- with the ticket, taking the next shared slot. When not saturated any job may use the slack.
 --
--- Adaptive: a 429 that got through multiplies the rate by `decrease` (once per cooldown) and
--- the rate recovers additively; a server hint pauses everyone until it has passed.
+-- Adaptive: a 429 that got through multiplies the rate by `decrease` once per overload event
+-- (a 429 on a slot granted before the last decrease is the same event) and empties the burst,
+-- so held and new requests go out paced. The rate recovers additively up to just below the
+-- rate at which the 429s began, and probes above it slowly. A server hint pauses everyone
+-- until it has passed (capped by the caller).
+--
+-- Provider state (observe): what a response says remains caps what the schedule promises now,
+-- and the bucket its remaining + reset show widens the burst (up to the cap the caller sends);
+-- a 429 shrinks it back.
+--
+-- Clock steps: Redis TIME can step back (a failover to a replica with another clock). Every
+-- stored time is shifted by the step, so the schedule neither stops nor runs ahead.
 --
 -- KEYS: 1 state hash, 2 leases zset, 3 weights hash, 4 this job's hash
 -- ARGV: 1 op (acquire | reconcile | penalize | release), 2 job, 3 rpm, 4 tpm, 5 burst_ms,
 --       6 lease_ms, 7 weight, 8 decrease, 9 recovery_per_s, 10 min_factor, 11 cooldown_ms,
 --       12 tokens, 13 ticket (acquire) | requests delta (reconcile) | retry_after_ms (penalize),
---       14 how far ahead (ms) this caller's latest granted send is (restores a lost state)
--- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs}
+--       14 how far ahead (ms) this caller's latest granted send is (restores a lost state),
+--       15 slot (penalize: the send time granted to the rejected request, Redis ms; 0 unknown)
+--          | remaining requests (observe; -1 unknown), 16 reset tokens ms (observe; -1),
+--       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms
+-- observe: ARGV 12 is the remaining tokens (-1 unknown).
+-- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms}
 
 pcall(redis.replicate_commands)
 
@@ -40,8 +54,11 @@ local tokens = tonumber(ARGV[12])
 local extra = tonumber(ARGV[13])
 
 local ahead = tonumber(ARGV[14]) or 0
+local arg15 = tonumber(ARGV[15]) or 0
+local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
+local burst_cap = tonumber(ARGV[19]) or burst
 
-local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec')
+local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb')
 local tr = tonumber(st[1]) or 0
 local tt = tonumber(st[2]) or 0
 if not st[1] and not st[2] and ahead > 0 then
@@ -54,8 +71,31 @@ local f0 = tonumber(st[3]) or 1
 local ft = tonumber(st[4]) or now
 local pause = tonumber(st[5]) or 0
 local dec = tonumber(st[6]) or 0
+local fr = tonumber(st[8]) or 1
+local lb = tonumber(st[9]) or 0
+local ts = tonumber(st[7])
+if ts and now < ts then
+  -- Redis TIME stepped back: shift every stored time by the step.
+  local step = ts - now
+  tr, tt, pause, dec = tr - step, tt - step, pause - step, dec - step
+  ft = math.min(ft - step, now)
+end
+ft = math.min(ft, now)
+f0 = math.max(min_factor, math.min(1, f0))
 
-local factor = math.min(1, f0 + recovery * (now - ft) / 1000)
+-- Recover at `recovery`/s up to the knee below the rate at which 429s began, then slowly.
+local knee = math.max(min_factor, fr * 0.95)
+local dt = math.max(0, now - ft) / 1000
+local factor
+if f0 >= knee then
+  factor = f0 + recovery / slowdown * dt
+else
+  local t_knee = (knee - f0) / recovery
+  if dt <= t_knee then factor = f0 + recovery * dt
+  else factor = knee + recovery / slowdown * (dt - t_knee) end
+end
+factor = math.max(min_factor, math.min(1, factor))
+local burst_ms = math.max(burst, math.min(lb, burst_cap))
 -- Emission rates per ms; 0 means the dimension is not limited.
 local rr = rpm * factor / 60000
 local rt = tpm * factor / 60000
@@ -65,7 +105,8 @@ local function keep(key, horizon)
 end
 
 local function save_state()
-  redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec)
+  redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec,
+    'ts', now, 'fr', fr, 'lb', lb)
   keep(KEYS[1], math.max(tr, tt, pause))
 end
 
@@ -151,15 +192,53 @@ if op == 'reconcile' then
 end
 
 if op == 'penalize' then
-  if now - dec >= cooldown then
+  -- One overload event, one decrease: a 429 on a slot granted before the last decrease (or
+  -- within the cooldown) belongs to the event already counted.
+  local same_event = (arg15 > 0 and arg15 <= dec) or now - dec < cooldown
+  if not same_event then
+    fr = factor
     f0 = math.max(min_factor, factor * decrease)
     ft = now
     dec = now
+  else
+    f0 = factor
+    ft = now
   end
+  -- A burst grown to the provider's bucket has spent it: the schedule ran up to a bucket
+  -- ahead. The bucket is empty now, so the schedule restarts from here, paced.
+  local shrink = lb > burst
+  lb = 0
   if extra > 0 then pause = math.max(pause, now + extra) end
+  -- The provider's bucket is empty: no burst until it has refilled, so what was held (and what
+  -- comes after the pause) goes out at the paced rate, never all at once.
+  local from = math.max(now, pause) + burst
+  if rpm > 0 then tr = shrink and from or math.max(tr, from) end
+  if tpm > 0 then tt = shrink and from or math.max(tt, from) end
   -- The rejected request's slot is not given back: the provider is over its limit already.
   save_state()
   return {1, 0, math.floor(f0 * 1e6), 0, 0}
+end
+
+if op == 'observe' then
+  -- tokens: remaining tokens, arg15: remaining requests, ARGV 16/17: resets (ms), -1 unknown.
+  local reset_t = tonumber(ARGV[16]) or -1
+  local reset_r = tonumber(ARGV[17]) or -1
+  local cap = 0
+  if rt > 0 and tokens >= 0 then
+    -- Never promise more now than the provider says remains.
+    tt = math.max(tt, now + burst_ms - tokens / rt)
+    if reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
+  end
+  if rr > 0 and arg15 >= 0 then
+    tr = math.max(tr, now + burst_ms - arg15 / rr)
+    if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
+  end
+  -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
+  -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
+  -- the headers' lag: a 1 s bucket gives no more than the default half second.
+  if cap > 0 and now - dec >= cooldown then lb = cap - math.max(burst, 0.1 * cap) end
+  save_state()
+  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}
 end
 
 -- acquire
@@ -173,11 +252,11 @@ local s = math.max(now, pause)
 local cr, ct = 0, 0
 if rr > 0 then
   cr = 1 / rr
-  s = math.max(s, tr - burst)
+  s = math.max(s, tr - burst_ms)
 end
 if rt > 0 then
   ct = tokens / rt
-  s = math.max(s, tt - burst)
+  s = math.max(s, tt - burst_ms)
 end
 
 -- Saturated: the bucket is not full again since its last use (demand at or above the rate).
@@ -218,4 +297,5 @@ if rr > 0 then tr = math.max(tr, s) + cr end
 if rt > 0 then tt = math.max(tt, s) + ct end
 note_usage(math.max(cr, ct))
 save_state()
-return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active}
+return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active,
+        math.floor(s)}

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from importlib import resources
 
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _constants as C
 from .errors import LimiterUnavailableError
+from .usage import ProviderLimits
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class Grant:
     granted: bool
     share: float
     active_jobs: int
+    slot_ms: int = 0  # the granted send time on the Redis clock (0: no limiter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,86 @@ class LimiterSettings:
     min_factor: float = C.ADAPT_MIN_FACTOR
     cooldown_ms: int = C.ADAPT_COOLDOWN_MS
     outage_s: float = C.LIMITER_OUTAGE_S
+    probe_slowdown: float = C.ADAPT_PROBE_SLOWDOWN
+    max_learned_burst_s: float = C.MAX_LEARNED_BURST_S
+
+
+# Response errors that pass: a failover in progress (READONLY, MASTERDOWN), a cluster moving
+# slots (MOVED, ASK, TRYAGAIN, CLUSTERDOWN), a server loading its data (LOADING), a busy script.
+_TRANSIENT_REPLIES = (
+    "READONLY",
+    "MOVED",
+    "ASK",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "LOADING",
+    "BUSY",
+    "MASTERDOWN",
+)
+
+
+def _transient(exc: Exception) -> bool:
+    if isinstance(exc, AuthenticationError):
+        return False
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+
+
+class _Warnings:
+    """One log line per kind per `every_s` seconds, with how many were held back."""
+
+    def __init__(self, every_s: float = C.WARN_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        log.warning(msg + (f" ({held} more like it not shown)" if held else ""), *args)
+
+
+def connect_redis(url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S):
+    """A client for a redis://, rediss://, unix:// URL, or a Redis Cluster for
+    redis+cluster:// / rediss+cluster:// (every key of one limiter shares one hash slot)."""
+    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    for prefix in ("redis+cluster://", "rediss+cluster://"):
+        if url.startswith(prefix):
+            plain = url.replace("+cluster", "", 1)
+            return aioredis.RedisCluster.from_url(plain, **opts)
+    return aioredis.Redis.from_url(url, **opts)
+
+
+def _where(url: str) -> str:
+    """The URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rsplit('@', 1)[-1]}"
+
+
+async def check_redis(client, url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S) -> None:
+    """Connect and authenticate now, so a wrong password, port or TLS setting fails the run in
+    seconds with a clear message instead of every row waiting out an 'outage'."""
+    where = _where(url)
+    try:
+        await asyncio.wait_for(client.ping(), timeout_s)
+    except AuthenticationError as exc:
+        raise LimiterUnavailableError(
+            f"Limiter Redis at {where} refused the credentials: {exc}. Check the user and "
+            "password in redis_url."
+        ) from exc
+    except ResponseError as exc:
+        raise LimiterUnavailableError(f"Limiter Redis at {where} refused PING: {exc}") from exc
+    except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as exc:
+        raise LimiterUnavailableError(
+            f"Limiter Redis at {where} could not be reached within {timeout_s:.0f} s "
+            f"({type(exc).__name__}: {exc}). Check the host, the port and rediss:// (TLS) in "
+            "redis_url."
+        ) from exc
 
 
 class RedisLimiter:
@@ -84,12 +167,19 @@ class RedisLimiter:
         self._horizon = 0.0
         self.rpm = settings.rpm
         self.tpm = settings.tpm
+        self.warn = _Warnings()
+        self._limits_checked = False
         self._keys = [
             f"{namespace}:state",
             f"{namespace}:leases",
             f"{namespace}:weights",
             f"{namespace}:job:{job}",
         ]
+
+    @property
+    def max_request_tokens(self) -> int | None:
+        """The largest request the tokens/min limit can ever admit (OpenAI rejects larger)."""
+        return self.tpm
 
     def lower_limits(self, *, rpm: int | None = None, tpm: int | None = None) -> None:
         """Adopt a lower limit reported by the provider (x-ratelimit-limit-*)."""
@@ -100,7 +190,15 @@ class RedisLimiter:
             log.warning("Provider reports %d tokens/min, below the configured %d.", tpm, self.tpm)
             self.tpm = tpm
 
-    async def _call(self, op: str, tokens: float, extra: float, *, wait: bool = True) -> list[int]:
+    async def _call(
+        self,
+        op: str,
+        tokens: float,
+        extra: float,
+        *,
+        wait: bool = True,
+        more: tuple[float, float, float] = (0, -1, -1),
+    ) -> list[int]:
         s = self.settings
         args = [
             op,
@@ -117,18 +215,30 @@ class RedisLimiter:
             tokens,
             extra,
             max(0.0, (self._horizon - time.monotonic()) * 1000),
+            *more,
+            s.probe_slowdown,
+            s.max_learned_burst_s * 1000,
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1
         while True:
             try:
                 return await self._script(keys=self._keys, args=args)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except AuthenticationError as exc:
+                raise LimiterUnavailableError(
+                    description=f"Limiter Redis refused the credentials: {exc}"
+                ) from exc
+            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                kind = type(exc).__name__
+                if not _transient(exc):  # OOM, NOSCRIPT that would not load, a script error...
+                    raise LimiterUnavailableError(
+                        description=f"Limiter Redis answered an error ({kind}): {exc}"
+                    ) from exc
                 if not wait or time.monotonic() + delay > give_up:
                     raise LimiterUnavailableError(
-                        description=f"Limiter Redis unreachable for {s.outage_s:.0f} s: {exc}"
+                        description=f"Limiter Redis unavailable for {s.outage_s:.0f} s: {exc}"
                     ) from exc
-                log.warning("Limiter Redis unreachable (%s); retrying in %.1f s.", exc, delay)
+                self.warn(kind, "Limiter Redis unavailable (%s); retrying.", exc)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, 5.0)
 
@@ -140,8 +250,12 @@ class RedisLimiter:
         """
         ticket = 0
         while True:
-            granted, wait_us, factor, share, active = await self._call("acquire", tokens, ticket)
-            grant = Grant(wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active))
+            res = await self._call("acquire", tokens, ticket)
+            granted, wait_us, factor, share, active = res[:5]
+            slot = int(res[5]) if len(res) > 5 else 0
+            grant = Grant(
+                wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot
+            )
             self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
             if granted or (deadline is not None and time.monotonic() + grant.wait_s > deadline):
                 return grant
@@ -154,10 +268,52 @@ class RedisLimiter:
         if tokens_delta or requests_delta:
             await self._call("reconcile", tokens_delta, requests_delta)
 
-    async def penalize(self, *, retry_after_s: float | None) -> float:
-        """A 429 got through: slow the shared bucket down and pause everyone for the hint."""
-        res = await self._call("penalize", 0, (retry_after_s or 0) * 1000)
+    async def penalize(self, *, retry_after_s: float | None, slot_ms: int = 0) -> float:
+        """A 429 got through: slow the shared bucket down (once per overload event: `slot_ms`
+        of a slot granted before the last decrease does not decrease again), empty the burst,
+        and pause everyone for the hint (at most MAX_SHARED_PAUSE_S)."""
+        pause_ms = min(retry_after_s or 0, C.MAX_SHARED_PAUSE_S) * 1000
+        res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1))
         return res[2] / 1e6
+
+    async def observe(self, limits: ProviderLimits) -> float:
+        """Fold the provider's x-ratelimit-* state into the shared schedule; returns the burst
+        (seconds) now in force, grown to the provider's bucket as its headers show it."""
+        self._adopt_limits(limits)
+        if limits.remaining_tokens is None and limits.remaining_requests is None:
+            return self.settings.burst_s
+
+        def ms(v: float | None) -> float:
+            return -1 if v is None else v * 1000
+
+        res = await self._call(
+            "observe",
+            -1 if limits.remaining_tokens is None else limits.remaining_tokens,
+            0,
+            more=(
+                -1 if limits.remaining_requests is None else limits.remaining_requests,
+                ms(limits.reset_tokens_s),
+                ms(limits.reset_requests_s),
+            ),
+        )
+        return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
+
+    def _adopt_limits(self, limits: ProviderLimits) -> None:
+        """Lower rpm/tpm to what x-ratelimit-limit-* (with remaining and reset) says; once."""
+        if self._limits_checked:
+            return
+        self._limits_checked = True
+        self.lower_limits(
+            rpm=_per_minute(
+                limits.limit_requests,
+                limits.remaining_requests,
+                limits.reset_requests_s,
+                self.rpm,
+            ),
+            tpm=_per_minute(
+                limits.limit_tokens, limits.remaining_tokens, limits.reset_tokens_s, self.tpm
+            ),
+        )
 
     async def release(self) -> None:
         """Give up this job's lease, so its share goes to the others at once."""
@@ -165,3 +321,22 @@ class RedisLimiter:
             await self._call("release", 0, 0, wait=False)
         except LimiterUnavailableError:
             pass  # the lease lapses by itself
+
+
+def _per_minute(
+    limit: int | None, remaining: int | None, reset_s: float | None, configured: int | None
+) -> int | None:
+    """The per-minute limit that x-ratelimit-limit-* (read with remaining and reset) implies.
+
+    OpenAI sends a per-minute figure; some servers send their bucket's capacity (a few seconds
+    of the rate) instead. A figure of at least half the configured limit is taken as per-minute.
+    A smaller one may be a capacity: then the refill it implies, (limit - remaining) / reset,
+    is the rate; adopted when below the configured one."""
+    if not limit or not configured or limit >= configured:
+        return None
+    if limit >= configured / 2:
+        return limit
+    if remaining is None or not reset_s or remaining >= limit:
+        return None
+    implied = int(60 * (limit - remaining) / reset_s)
+    return implied if implied < configured else None

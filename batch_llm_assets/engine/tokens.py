@@ -46,6 +46,17 @@ def encoding_for(model: str) -> tiktoken.Encoding | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def uses_fallback_encoding(model: str) -> bool:
+    """True when tiktoken does not know the model: its counts are a guess (o200k for a Llama
+    or Qwen tokenizer can be half the real count on digit-heavy text)."""
+    try:
+        tiktoken.encoding_name_for_model(model)
+        return False
+    except KeyError:
+        return True
+
+
 def count_text_tokens(text: str, model: str) -> int:
     enc = encoding_for(model)
     if enc is None:

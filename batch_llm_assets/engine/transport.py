@@ -24,6 +24,7 @@ from .errors import (
     classify_status,
     redact,
 )
+from .usage import Usage, parse_usage
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class ChatResponse:
     empty_choices: bool = False  # HTTP 200 with `choices: []`: billable, but no answer
     model: str | None = None  # the model that answered, as the provider names it
     cached_tokens: int | None = None  # prompt tokens served from the provider's cache
+    usage: Usage | None = None  # None: the provider sent no readable usage block
 
 
 class ChatTransport(Protocol):
@@ -65,19 +67,33 @@ def parse_retry_after(headers: dict[str, str]) -> float | None:
     return None
 
 
+def retry_hint_is_exact(headers: dict[str, str]) -> bool:
+    """retry-after-ms, or a fractional retry-after, is the wait; a whole-second retry-after is
+    the wait rounded up (OpenAI sends `1` for 13 ms), so only an upper bound."""
+    if headers.get("retry-after-ms"):
+        return True
+    value = headers.get("retry-after") or ""
+    try:
+        return float(value) != int(float(value))
+    except ValueError:
+        return False
+
+
 def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
     """The fields the engine needs from a chat.completion body; anything else is malformed."""
     try:
         choices = payload["choices"]
-        usage = payload.get("usage") or {}
+        usage = parse_usage(payload.get("usage"))
         if isinstance(choices, list) and not choices:
             return ChatResponse(
                 content=None,
                 finish_reason=None,
-                prompt_tokens=usage.get("prompt_tokens"),
-                completion_tokens=usage.get("completion_tokens"),
+                prompt_tokens=usage.prompt_tokens if usage else None,
+                completion_tokens=usage.completion_tokens if usage else None,
                 headers=headers,
                 empty_choices=True,
+                usage=usage,
+                model=payload.get("model") if isinstance(payload.get("model"), str) else None,
             )
         choice = choices[0]
         message = choice.get("message") or {}
@@ -87,13 +103,14 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
         return ChatResponse(
             content=message.get("content"),
             finish_reason=choice.get("finish_reason"),
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
+            prompt_tokens=usage.prompt_tokens if usage else None,
+            completion_tokens=usage.completion_tokens if usage else None,
             headers=headers,
             refusal=message.get("refusal") or None,
             tool_calls=list(calls) if calls else None,
             model=payload.get("model") if isinstance(payload.get("model"), str) else None,
-            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            cached_tokens=usage.cached_tokens if usage else None,
+            usage=usage,
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(
@@ -103,16 +120,26 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
 
 def error_from_body(status: int, text: str, headers: dict[str, str], secret: str) -> ProviderError:
     """OpenAI's error JSON ({"error": {"message", "type", "code"}}) or raw text, redacted."""
-    code = None
+    code = param = None
     message = text[:500]
     try:
         err = json.loads(text).get("error") or {}
         if isinstance(err, dict):
-            code = err.get("code")
+            code = err.get("code") or err.get("type")
+            code = code if isinstance(code, str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
             message = err.get("message") or message
+        elif isinstance(err, str):
+            message = err
     except (ValueError, AttributeError):
         pass
-    error_class, retryable = classify_status(status, code, headers)
+    if (
+        code == "invalid_request_error"
+        and "max_tokens" in str(message)
+        and "not supported" in str(message)
+    ):
+        code = "unsupported_parameter"
+    error_class, retryable = classify_status(status, code, headers, str(message))
     return ProviderError(
         error_class,
         redact(f"HTTP {status}: {message}", secret),
@@ -120,6 +147,9 @@ def error_from_body(status: int, text: str, headers: dict[str, str], secret: str
         retryable=retryable,
         retry_after_s=parse_retry_after(headers),
         headers=headers,
+        code=code,
+        param=param,
+        hint_exact=retry_hint_is_exact(headers),
     )
 
 

@@ -8,12 +8,18 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Literal
 
 import dagster as dg
-import redis.asyncio as aioredis
 from pydantic import Field, PrivateAttr, field_validator
 
 from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
-from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
+from ..engine.limiter import (
+    LimiterSettings,
+    RedisLimiter,
+    check_redis,
+    connect_redis,
+    limiter_namespace,
+)
+from ..engine.profiles import Profile, discover_context_window, profile_for
 from ..engine.transport import TRANSPORTS
 from ..engine.valkey import EmbeddedValkey
 
@@ -48,11 +54,25 @@ class LLMResource(dg.ConfigurableResource):
         description="Default request parameters (temperature, max_tokens, seed, "
         "response_format, ...); a request's own params override them.",
     )
-    max_concurrency: int = Field(
-        default=C.DEFAULT_MAX_CONCURRENCY, ge=1, description="Requests in flight per process."
+    provider: str | None = Field(
+        default=None,
+        description="Provider profile: openai, azure, gemini, vllm, llamacpp (or ollama), "
+        "generic. It sets the token-limit parameter, default concurrency and timeout, "
+        "structured-output support and usage handling. None: chosen from base_url "
+        "(api.openai.com, *.openai.azure.com, generativelanguage.googleapis.com, port 8000 "
+        "vLLM, port 8080/11434 llama.cpp/Ollama; else generic).",
     )
-    request_timeout_s: float = Field(
-        default=C.DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="Timeout of one HTTP attempt."
+    max_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests in flight per process. None: the provider profile's (64 for "
+        "hosted APIs, 4 for a local llama.cpp/Ollama server).",
+    )
+    request_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Timeout of one HTTP attempt. None: the provider profile's (60 s hosted, "
+        "up to 600 s for a local server).",
     )
     max_attempts: int = Field(
         default=C.DEFAULT_MAX_ATTEMPTS, ge=1, description="Attempts per request, first included."
@@ -89,10 +109,25 @@ class LLMResource(dg.ConfigurableResource):
         description="Context window of the model in tokens; None: known models' table. "
         "Requests over it fail with context_length without being sent.",
     )
+    estimate_margin: float | None = Field(
+        default=None,
+        ge=0,
+        le=2,
+        description="Fraction added to prompt token estimates. None: 0.25 for a model tiktoken "
+        "does not know (its count is a guess), 0 otherwise.",
+    )
+    breaker_threshold: int = Field(
+        default=C.BREAKER_THRESHOLD,
+        ge=1,
+        description="Stop sending when this many consecutive rows fail with the same "
+        "non-transient error (400, 422, or a 5xx that repeats on retry).",
+    )
     redis_url: str | None = Field(
         default=None,
-        description="Redis/Valkey URL for the shared limiter (redis://, rediss://, unix://). "
-        "None: a private embedded Valkey is started and stopped with the resource.",
+        description="Redis/Valkey URL for the shared limiter (redis://, rediss://, unix://; "
+        "redis+cluster:// or rediss+cluster:// for a Redis Cluster). It is connected and "
+        "authenticated when the engine opens. None: a private embedded Valkey is started and "
+        "stopped with the resource.",
     )
     job_key: str = Field(
         default="default",
@@ -132,9 +167,25 @@ class LLMResource(dg.ConfigurableResource):
             raise ValueError(f"base_url must start with http:// or https://, got {v!r}")
         return v
 
+    @field_validator("provider")
+    @classmethod
+    def _check_provider(cls, v: str | None) -> str | None:
+        if v is not None:
+            profile_for(v, "")  # raises naming the known providers
+        return v
+
     def __repr_args__(self):  # keep the key out of reprs, logs and tracebacks
         for name, value in super().__repr_args__():
             yield name, ("***" if name == "api_key" and value else value)
+
+    @property
+    def profile(self) -> Profile:
+        return profile_for(self.provider, self.base_url, api_version=self.api_version)
+
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight per process: the setting, else the provider profile's."""
+        return self.max_concurrency or self.profile.max_concurrency
 
     @property
     def limited(self) -> bool:
@@ -178,8 +229,8 @@ class LLMResource(dg.ConfigurableResource):
         return EngineSettings(
             model=model,
             params={**self.params, **(params or {})},
-            max_concurrency=self.max_concurrency,
-            request_timeout_s=self.request_timeout_s,
+            max_concurrency=self.concurrency,
+            request_timeout_s=self.request_timeout_s or self.profile.request_timeout_s,
             max_attempts=self.max_attempts,
             deadline_s=self.deadline_s,
             default_max_tokens=self.default_max_tokens,
@@ -187,6 +238,17 @@ class LLMResource(dg.ConfigurableResource):
             refund_unused_completion=self.refund_unused_completion,
             fatal_error_threshold=self.fatal_error_threshold,
             secret=self.api_key,
+            estimate_margin=self.estimate_margin,
+            breaker_threshold=self.breaker_threshold,
+        )
+
+    async def _context_window(self, settings: EngineSettings) -> None:
+        """Ask a self-hosted server for the model's context window when nobody said it."""
+        if settings.context_window or self.profile.hosted:
+            return
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        settings.context_window = await discover_context_window(
+            base_url=self.base_url, model=settings.model, headers=headers
         )
 
     @contextlib.asynccontextmanager
@@ -203,16 +265,22 @@ class LLMResource(dg.ConfigurableResource):
             api_key=self.api_key,
             api_version=self.api_version,
             model=model,
-            max_connections=self.max_concurrency,
+            max_connections=self.concurrency,
         )
         client = None
         limiter = None
+        settings = self.engine_settings(model=model, params=params)
         if self.limited:
             if self.effective_redis_url is None:
                 self.start()
-            client = aioredis.Redis.from_url(
-                self.effective_redis_url, socket_timeout=5, socket_connect_timeout=5
-            )
+            url = self.effective_redis_url
+            client = connect_redis(url)
+            try:
+                await check_redis(client, url)
+            except BaseException:
+                await client.aclose()
+                await transport.aclose()
+                raise
             limiter = RedisLimiter(
                 client,
                 namespace=limiter_namespace(self.base_url, model, self.api_key),
@@ -221,7 +289,8 @@ class LLMResource(dg.ConfigurableResource):
                 weight=self.job_weight,
             )
         try:
-            yield Engine(self.engine_settings(model=model, params=params), transport, limiter)
+            await self._context_window(settings)
+            yield Engine(settings, transport, limiter)
         finally:
             if limiter is not None:
                 await limiter.release()

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import random
 import threading
 import time
@@ -22,6 +23,7 @@ from aiohttp import web
 from ..engine.tokens import count_prompt_tokens, count_text_tokens, encoding_for
 from . import structured
 from .answers import draw_shape, echo_key, rejection, shaped_choice
+from .limits import chars4_tokens, make_limit
 
 _WORDS = [
     "the",
@@ -112,33 +114,19 @@ class SimConfig:
     refuse: float = 0.0
     reject_json_schema: bool = False
 
-
-class Bucket:
-    """Token bucket refilled continuously at limit/60 per second, holding bucket_s of the limit."""
-
-    def __init__(self, per_min: int, bucket_s: float) -> None:
-        self.rate = per_min / 60.0
-        self.capacity = max(1.0, self.rate * bucket_s)
-        self.level = self.capacity
-        self.last = time.monotonic()
-
-    def _refill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self.last) * self.rate)
-        self.last = now
-
-    def wait_for(self, cost: float, now: float) -> float:
-        """0 if `cost` can be taken now, else seconds until it can."""
-        self._refill(now)
-        # A request larger than the whole bucket is admitted when the bucket is full (then owed).
-        if min(cost, self.capacity) <= self.level:
-            return 0.0
-        return (min(cost, self.capacity) - self.level) / self.rate
-
-    def take(self, cost: float) -> None:
-        self.level -= cost
-
-    def reset_s(self) -> float:
-        return (self.capacity - self.level) / self.rate
+    # How real providers differ (simulator/limits.py): enforcement bucket | fixed_window |
+    # sliding_window | quantized; window_s for the windows, quantum_s for quantized.
+    enforcement: str = "bucket"
+    window_s: float = 10.0
+    quantum_s: float = 1.0
+    counting: str = "tiktoken"  # or "chars4": a quarter of the request body's characters
+    usage_shape: str = "openai"  # or "input_output", or "none" (no usage block)
+    retry_after: str = "both"  # retry-after-ms + whole seconds; "seconds" (rounded up); "ms"
+    limit_header: str = "per_minute"  # or "capacity" (the bucket's), or "none"
+    rate_headers: bool = True  # x-ratelimit-remaining-* / -reset-* on every answer
+    reasoning: bool = False  # reject max_tokens (400 unsupported_parameter), as gpt-5 / o-series
+    insufficient_quota: bool = False  # every request: 429 insufficient_quota
+    fail_param: str | None = None  # a deterministic 500 for every body that has this parameter
 
 
 def openai_duration(seconds: float) -> str:
@@ -150,8 +138,10 @@ def openai_duration(seconds: float) -> str:
     return f"{int(minutes)}m{rest_s}s" if minutes else f"{rest_s}s"
 
 
-def _error(status: int, message: str, type_: str, code: str | None, headers=None) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+def _error(
+    status: int, message: str, type_: str, code: str | None, headers=None, param=None
+) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -165,8 +155,16 @@ class Simulator:
     def reset(self) -> None:
         cfg = self.config
         self.rng = random.Random(cfg.seed)
-        self.req_bucket = Bucket(cfg.rpm, cfg.bucket_s) if cfg.rpm else None
-        self.tok_bucket = Bucket(cfg.tpm, cfg.bucket_s) if cfg.tpm else None
+        now = time.monotonic()
+        shape = {
+            "enforcement": cfg.enforcement,
+            "bucket_s": cfg.bucket_s,
+            "window_s": cfg.window_s,
+            "quantum_s": cfg.quantum_s,
+            "now": now,
+        }
+        self.req_bucket = make_limit(cfg.rpm, **shape) if cfg.rpm else None
+        self.tok_bucket = make_limit(cfg.tpm, **shape) if cfg.tpm else None
         self.counts: Counter[str] = Counter()
         self.per_second: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
         self.prompts: Counter[str] = Counter()
@@ -216,7 +214,9 @@ class Simulator:
                 400, f"unknown settings: {sorted(unknown)}", "invalid_request_error", None
             )
         self.config = dataclasses.replace(self.config, **updates)
-        if {"rpm", "tpm", "bucket_s", "seed"} & set(updates):
+        if {"rpm", "tpm", "bucket_s", "seed", "enforcement", "window_s", "quantum_s"} & set(
+            updates
+        ):
             self.reset()
         return web.json_response({"ok": True})
 
@@ -242,15 +242,28 @@ class Simulator:
         )
 
     def _limit_headers(self) -> dict[str, str]:
+        cfg = self.config
         h: dict[str, str] = {}
-        for name, bucket, per_min in (
-            ("requests", self.req_bucket, self.config.rpm),
-            ("tokens", self.tok_bucket, self.config.tpm),
-        ):
-            if bucket is not None:
-                h[f"x-ratelimit-limit-{name}"] = str(per_min)
-                h[f"x-ratelimit-remaining-{name}"] = str(max(0, int(bucket.level)))
-                h[f"x-ratelimit-reset-{name}"] = openai_duration(bucket.reset_s())
+        now = time.monotonic()
+        for name, bucket in (("requests", self.req_bucket), ("tokens", self.tok_bucket)):
+            if bucket is None:
+                continue
+            if cfg.limit_header == "per_minute":
+                h[f"x-ratelimit-limit-{name}"] = str(bucket.per_min)
+            elif cfg.limit_header == "capacity":
+                h[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+            if cfg.rate_headers:
+                h[f"x-ratelimit-remaining-{name}"] = str(bucket.remaining(now))
+                h[f"x-ratelimit-reset-{name}"] = openai_duration(bucket.reset_s(now))
+        return h
+
+    def _retry_headers(self, wait: float) -> dict[str, str]:
+        style = self.config.retry_after
+        h = {}
+        if style in ("both", "ms"):
+            h["retry-after-ms"] = str(max(1, round(wait * 1000)))
+        if style in ("both", "seconds"):
+            h["retry-after"] = str(max(1, math.ceil(wait)))
         return h
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -284,6 +297,27 @@ class Simulator:
         if cfg.reject_json_schema and structured.rejects(body):  # like an older llama.cpp server
             self.counts["rejected_json_schema"] += 1
             return _error(500, structured.REJECTION_MESSAGE, "server_error", None)
+        if cfg.reasoning and "max_tokens" in body:
+            self.counts["unsupported_parameter"] += 1
+            return _error(
+                400,
+                "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                "'max_completion_tokens' instead.",
+                "invalid_request_error",
+                "unsupported_parameter",
+                param="max_tokens",
+            )
+        if cfg.insufficient_quota:
+            self.counts["insufficient_quota"] += 1
+            return _error(
+                429,
+                "You exceeded your current quota, please check your plan and billing details.",
+                "insufficient_quota",
+                "insufficient_quota",
+            )
+        if cfg.fail_param and cfg.fail_param in body:
+            self.counts["fail_param"] += 1
+            return _error(500, f"Unsupported '{cfg.fail_param}'", "server_error", None)
         if model not in cfg.models:
             self.counts["not_found"] += 1
             return _error(
@@ -295,7 +329,10 @@ class Simulator:
         refused = self._refused(request, messages)
         if refused is not None:
             return refused
-        prompt_tokens = count_prompt_tokens(messages, model)
+        if cfg.counting == "chars4":
+            prompt_tokens = chars4_tokens(json.dumps(messages))
+        else:
+            prompt_tokens = count_prompt_tokens(messages, model)
         max_tokens = int(
             body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
         )
@@ -311,6 +348,15 @@ class Simulator:
             )
 
         cost = prompt_tokens + max_tokens
+        if cfg.tpm and cost > cfg.tpm:
+            self.counts["too_large"] += 1
+            return _error(
+                429,
+                f"Request too large for {model} on tokens per min (TPM): Limit {cfg.tpm}, "
+                f"Requested {cost}.",
+                "tokens",
+                "rate_limit_exceeded",
+            )
         now = time.monotonic()
         waits = [
             b.wait_for(c, now)
@@ -325,10 +371,7 @@ class Simulator:
             which = (
                 "tokens" if self.tok_bucket and self.tok_bucket.wait_for(cost, now) else "requests"
             )
-            headers = self._limit_headers() | {
-                "retry-after-ms": str(max(1, round(wait * 1000))),
-                "retry-after": str(max(1, round(wait))),
-            }
+            headers = self._limit_headers() | self._retry_headers(wait)
             return _error(
                 429,
                 f"Rate limit reached for {model} on {which} per min. Please try "
@@ -343,7 +386,7 @@ class Simulator:
                 return self._injected_429(model)
         for b, c in ((self.req_bucket, 1), (self.tok_bucket, cost)):
             if b is not None:
-                b.take(c)
+                b.take(c, now)
         self.counts["admitted_requests"] += 1
         self.counts["admitted_tokens"] += cost
         self.per_second[second][0] += 1
@@ -396,11 +439,7 @@ class Simulator:
                 "created": int(time.time()),
                 "model": model,
                 "choices": choices,
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
+                **self._usage(prompt_tokens, completion_tokens),
             },
             headers=headers,
         )
@@ -432,6 +471,20 @@ class Simulator:
             "rate_limit_exceeded",
             headers,
         )
+
+    def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
+        shape = self.config.usage_shape
+        if shape == "none":
+            return {}
+        if shape == "input_output":
+            return {"usage": {"input_tokens": prompt, "output_tokens": completion}}
+        return {
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        }
 
     def _draw_fault(self) -> str | None:
         cfg = self.config

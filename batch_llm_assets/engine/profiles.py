@@ -1,0 +1,121 @@
+"""Provider profiles: what differs between OpenAI-compatible servers, in one place.
+
+A profile is chosen from the base URL (or set explicitly with `LLMResource.provider`) and says
+which token-limit parameter a model takes, how many requests a server handles at once, how long
+an answer may take, whether it supports structured output, and how it reports usage.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+PROVIDERS = ("openai", "azure", "gemini", "vllm", "llamacpp", "generic")
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    max_concurrency: int  # requests in flight per process when the resource sets none
+    request_timeout_s: float
+    structured_output: bool  # honours response_format json_schema
+    usage_reported: bool  # sends a usage block (else the estimate is recorded, flagged)
+    hosted: bool  # a hosted service with published models (else ask the server about them)
+
+
+PROFILES = {
+    "openai": Profile("openai", 64, 60.0, True, True, True),
+    "azure": Profile("azure", 64, 60.0, True, True, True),
+    "gemini": Profile("gemini", 32, 120.0, True, True, True),
+    "vllm": Profile("vllm", 64, 300.0, True, True, False),
+    "llamacpp": Profile("llamacpp", 4, 600.0, False, True, False),
+    "generic": Profile("generic", 64, 60.0, False, True, False),
+}
+
+
+def detect_provider(base_url: str, *, api_version: str | None = None) -> str:
+    """The profile name a base URL implies; `generic` when nothing identifies it."""
+    if api_version:
+        return "azure"
+    parsed = urlparse(base_url)
+    host = (parsed.hostname or "").lower()
+    if host.endswith("openai.azure.com") or host.endswith("cognitiveservices.azure.com"):
+        return "azure"
+    if host == "api.openai.com":
+        return "openai"
+    if host == "generativelanguage.googleapis.com" or host.endswith("aiplatform.googleapis.com"):
+        return "gemini"
+    if parsed.port == 11434 or "ollama" in host:
+        return "llamacpp"  # Ollama: one model on local hardware, like llama.cpp's server
+    if parsed.port == 8080 or "llama" in host:
+        return "llamacpp"
+    if parsed.port == 8000 or "vllm" in host:
+        return "vllm"
+    return "generic"
+
+
+def profile_for(provider: str | None, base_url: str, *, api_version: str | None = None) -> Profile:
+    name = provider or detect_provider(base_url, api_version=api_version)
+    name = {"ollama": "llamacpp", "llama.cpp": "llamacpp"}.get(name, name)
+    if name not in PROFILES:
+        raise ValueError(f"unknown provider {name!r}; expected one of {', '.join(PROVIDERS)}")
+    return PROFILES[name]
+
+
+_REASONING_PREFIXES = ("gpt-5", "o1", "o3", "o4")
+
+
+def token_param_for(model: str) -> str:
+    """OpenAI's reasoning models (gpt-5*, o1*, o3*, o4*) reject max_tokens."""
+    bare = model.rsplit("/", 1)[-1].lower()
+    return "max_completion_tokens" if bare.startswith(_REASONING_PREFIXES) else "max_tokens"
+
+
+_WINDOW_FIELDS = (
+    "max_model_len",
+    "context_length",
+    "n_ctx",
+    "context_window",
+    "max_context_length",
+)
+
+
+def context_window_from_models(payload: Any, model: str) -> int | None:
+    """The context window a /v1/models answer gives for `model` (vLLM, llama.cpp, Ollama...)."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return None
+    entries = [d for d in data if isinstance(d, dict)]
+    match = [d for d in entries if d.get("id") == model] or (entries if len(entries) == 1 else [])
+    for entry in match:
+        for source in (entry, entry.get("meta") or {}, entry.get("details") or {}):
+            if not isinstance(source, dict):
+                continue
+            for key in _WINDOW_FIELDS:
+                value = source.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+async def discover_context_window(
+    *, base_url: str, model: str, headers: dict[str, str], timeout_s: float = 5.0
+) -> int | None:
+    """Ask the server's /v1/models for the model's context window; None if it does not say."""
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/models"
+    try:
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                payload = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        log.debug("Could not read %s: %s", url, type(exc).__name__)
+        return None
+    return context_window_from_models(payload, model)

@@ -1,0 +1,107 @@
+"""Token usage in the shapes providers send it, and the provider's rate-limit headers.
+
+OpenAI sends usage as prompt/completion tokens with details (cached input, reasoning); some
+OpenAI-compatible servers send input/output tokens (the Responses/Anthropic shape) or nothing.
+Rate-limit headers: x-ratelimit-{limit,remaining,reset}-{requests,tokens}, resets in OpenAI's
+duration format (6m0s, 1.5s, 12ms) or plain seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return int(value)
+    return None
+
+
+def parse_usage(usage: Any) -> Usage | None:
+    """Usage from a response body's `usage` (any known shape), or None when absent/unreadable."""
+    if not isinstance(usage, dict):
+        return None
+    prompt = _int(usage.get("prompt_tokens"))
+    completion = _int(usage.get("completion_tokens"))
+    if prompt is None:
+        prompt = _int(usage.get("input_tokens"))
+        completion = _int(usage.get("output_tokens"))
+    if prompt is None:
+        return None
+    if completion is None:
+        total = _int(usage.get("total_tokens"))
+        completion = max(0, total - prompt) if total is not None else 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    out_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if cached is None:
+        cached = _int(usage.get("cache_read_input_tokens"))
+    reasoning = _int(out_details.get("reasoning_tokens")) if isinstance(out_details, dict) else None
+    return Usage(prompt, completion, cached or 0, reasoning or 0)
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(value: str | None) -> float | None:
+    """Seconds from OpenAI's `6m0s` / `1.5s` / `12ms`, or from plain seconds (`0.5`, `2`)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    parts = _DURATION_PART.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        return None
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderLimits:
+    """What one response says about the provider's buckets; None where a header is missing."""
+
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests_s: float | None = None
+    reset_tokens_s: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in self.__slots__)
+
+
+def _header_int(headers: dict[str, str], name: str) -> int | None:
+    try:
+        return int(float(headers[name]))
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_limits(headers: dict[str, str]) -> ProviderLimits:
+    """x-ratelimit-* of a response (header names lower-cased)."""
+    h = headers
+    return ProviderLimits(
+        limit_requests=_header_int(h, "x-ratelimit-limit-requests"),
+        limit_tokens=_header_int(h, "x-ratelimit-limit-tokens"),
+        remaining_requests=_header_int(h, "x-ratelimit-remaining-requests"),
+        remaining_tokens=_header_int(h, "x-ratelimit-remaining-tokens"),
+        reset_requests_s=parse_duration(h.get("x-ratelimit-reset-requests")),
+        reset_tokens_s=parse_duration(h.get("x-ratelimit-reset-tokens")),
+    )

@@ -1,0 +1,434 @@
+"""Engine v2 against the simulator over real HTTP and a real Valkey: error semantics (out of
+credit, too large, the breaker, the retry budget), provider profiles and usage shapes, the
+provider's rate-limit headers, and a hardened Redis limiter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from batch_llm_assets import ChatRequest, LLMResource
+from batch_llm_assets.engine import EmbeddedValkey, Engine, EngineSettings
+from batch_llm_assets.engine import errors as E
+from batch_llm_assets.engine.limiter import (
+    LimiterSettings,
+    RedisLimiter,
+    check_redis,
+    limiter_namespace,
+)
+from batch_llm_assets.engine.transport import AiohttpTransport
+
+from .conftest import SIM_KEY
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def make(sim, **kw) -> LLMResource:
+    settings = {"base_url": sim.url, "api_key": SIM_KEY, "model": "sim-1", "max_attempts": 6}
+    return LLMResource(**(settings | kw))
+
+
+@pytest.fixture(autouse=True)
+def fresh_limiter_state(valkey_url):
+    """Every test here uses the one simulator, so one limiter namespace: start it empty."""
+    r = redis.Redis.from_url(valkey_url)
+    for key in r.scan_iter("bla:*"):
+        r.delete(key)
+
+
+def run_engine(llm: LLMResource, requests, **engine_kw):
+    """(results by id, the engine) for one chat run through LLMResource.engine."""
+
+    async def main():
+        async with llm.engine(**engine_kw) as engine:
+            return {r.id: r async for r in engine.map(requests)}, engine
+
+    with llm:
+        return asyncio.run(main())
+
+
+def state(url, llm: LLMResource) -> dict:
+    ns = limiter_namespace(llm.base_url, llm.model, llm.api_key)
+    raw = redis.Redis.from_url(url).hgetall(f"{ns}:state")
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+# -- error semantics ----------------------------------------------------------------------------
+
+
+def test_insufficient_quota_trips_at_once_and_never_slows_the_limiter(fresh_sim, valkey_url):
+    fresh_sim.configure(insufficient_quota=True)
+    llm = make(fresh_sim, rpm=6000, redis_url=valkey_url, job_key="quota", max_concurrency=4)
+    results, engine = run_engine(llm, [ChatRequest(i, user(f"q{i}")) for i in range(50)])
+    classes = [r.error_class for r in results.values()]
+    assert set(classes) == {"insufficient_quota", "aborted"}
+    assert "out of credit" in engine.aborted_reason
+    assert fresh_sim.stats()["received"] <= 4  # what was in flight when the first answer came
+    assert all(r.attempts <= 1 and r.http_429 == 0 for r in results.values())
+    assert state(valkey_url, llm).get("f", 1.0) == 1.0  # the shared rate was not touched
+
+
+def test_a_request_over_the_tpm_limit_fails_without_being_sent(fresh_sim, valkey_url):
+    llm = make(fresh_sim, tpm=2000, redis_url=valkey_url, job_key="too-large")
+    results, _ = run_engine(
+        llm, [ChatRequest("big", user("word " * 3000)), ChatRequest("small", user("hi"))]
+    )
+    assert results["big"].error_class == "request_too_large" and results["big"].attempts == 0
+    assert results["small"].ok
+    assert fresh_sim.stats()["received"] == 1
+
+
+def test_the_providers_request_too_large_is_not_retried_as_a_rate_limit(fresh_sim):
+    fresh_sim.configure(tpm=1500)  # the provider's limit; the resource was told none
+    results, _ = run_engine(make(fresh_sim), [ChatRequest("big", user("word " * 2000))])
+    r = results["big"]
+    assert r.error_class == "request_too_large" and r.attempts == 1 and r.http_429 == 0
+
+
+def test_a_deterministic_500_trips_the_breaker_instead_of_retrying_every_row(fresh_sim):
+    fresh_sim.configure(fail_param="response_format")
+    llm = make(fresh_sim, max_concurrency=4, params={"response_format": {"type": "json_object"}})
+    results, engine = run_engine(llm, [ChatRequest(i, user(f"r{i}")) for i in range(40)])
+    assert "server_error" in engine.aborted_reason and "HTTP 500" in engine.aborted_reason
+    assert sum(r.error_class == "aborted" for r in results.values()) >= 30
+    # On main: 6 attempts x 40 rows = 240 requests. Here the rows in flight keep their retries
+    # (a 5xx may be transient) and the 5th row with the same error stops the run.
+    assert fresh_sim.stats()["received"] <= 40
+
+
+def test_transient_500s_keep_their_retries(fresh_sim):
+    fresh_sim.configure(fail_500=0.3, seed=3)
+    results, engine = run_engine(
+        make(fresh_sim, max_concurrency=4, max_attempts=8),
+        [ChatRequest(i, user(f"t{i}")) for i in range(60)],
+    )
+    assert engine.aborted_reason is None
+    assert all(r.ok for r in results.values())
+
+
+def test_the_same_400_on_consecutive_rows_stops_the_run(fresh_sim):
+    llm = make(fresh_sim, max_concurrency=1, params={"temperature": 7})
+    results, engine = run_engine(llm, [ChatRequest(i, user(f"b{i}")) for i in range(30)])
+    assert "5 consecutive rows" in engine.aborted_reason and "temperature" in engine.aborted_reason
+    assert fresh_sim.stats()["received"] == 5
+    assert sum(r.error_class == "bad_request" for r in results.values()) == 5
+
+
+def test_the_retry_budget_bounds_the_runs_retries(fresh_sim):
+    fresh_sim.configure(drop=1.0)  # every request dropped: connection errors, no status
+    settings = EngineSettings(
+        model="sim-1", max_concurrency=2, retry_budget_base=3, retry_budget_ratio=0.0
+    )
+
+    async def main():
+        transport = AiohttpTransport(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1")
+        engine = Engine(settings, transport)
+        try:
+            return [r async for r in engine.map(ChatRequest(i, user("x")) for i in range(10))]
+        finally:
+            await transport.aclose()
+
+    results = asyncio.run(main())
+    assert {r.error_class for r in results} == {"connection_error"}
+    assert fresh_sim.stats()["received"] == 10 + 3
+    assert sum("retry budget" in r.error_message for r in results) >= 7
+
+
+def test_a_deadline_that_passes_during_a_shared_pause_is_not_sent(fresh_sim, valkey_url):
+    llm = make(fresh_sim, rpm=6000, redis_url=valkey_url, job_key="pause-deadline")
+
+    async def main():
+        async with llm.engine() as engine:
+            engine._paused_until = time.monotonic() + 1.0  # a 429's exact hint, just seen
+            engine._pause_epoch += 1
+            req = ChatRequest(1, user("x"), deadline=time.monotonic() + 0.3)
+            return await engine.run_one(req)
+
+    with llm:
+        r = asyncio.run(main())
+    assert r.error_class == "deadline_exceeded" and r.attempts == 0
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+# -- provider profiles and usage -------------------------------------------------------------
+
+
+def test_a_reasoning_model_gets_max_completion_tokens_from_the_start(fresh_sim):
+    fresh_sim.configure(reasoning=True, models={"sim-1": 16_384, "gpt-5-mini": 400_000})
+    results, engine = run_engine(
+        make(fresh_sim, model="gpt-5-mini"), [ChatRequest(i, user(f"g{i}")) for i in range(5)]
+    )
+    assert all(r.ok for r in results.values())
+    assert engine.token_param == "max_completion_tokens" and not engine.token_param_switched
+    assert fresh_sim.stats().get("unsupported_parameter", 0) == 0
+
+
+def test_a_model_that_rejects_max_tokens_is_switched_once(fresh_sim, caplog):
+    fresh_sim.configure(reasoning=True)
+    with caplog.at_level(logging.WARNING):
+        results, engine = run_engine(
+            make(fresh_sim, max_concurrency=1), [ChatRequest(i, user(f"s{i}")) for i in range(8)]
+        )
+    assert all(r.ok for r in results.values())
+    assert engine.token_param_switched and engine.token_param == "max_completion_tokens"
+    assert fresh_sim.stats()["unsupported_parameter"] == 1
+    assert caplog.text.count("rejects max_tokens") == 1
+
+
+def test_input_output_usage_is_read(fresh_sim):
+    fresh_sim.configure(usage_shape="input_output")
+    results, _ = run_engine(make(fresh_sim), [ChatRequest(1, user("Stocks rally"))])
+    r = results[1]
+    assert r.ok and r.prompt_tokens > 0 and r.completion_tokens > 0 and not r.tokens_estimated
+
+
+def test_missing_usage_records_the_estimate_flagged_and_warns_once(fresh_sim, caplog):
+    fresh_sim.configure(usage_shape="none")
+    with caplog.at_level(logging.WARNING):
+        results, _ = run_engine(
+            make(fresh_sim, estimate_margin=0.0), [ChatRequest(i, user("Rates")) for i in range(6)]
+        )
+    for r in results.values():
+        assert r.ok and r.tokens_estimated and r.prompt_tokens > 0 and r.completion_tokens > 0
+    assert caplog.text.count("sent no token usage") == 1
+
+
+def test_the_context_window_is_asked_of_a_self_hosted_server(fresh_sim):
+    fresh_sim.configure(models={"sim-1": 300, "gpt-4o-mini": 128_000})
+    results, engine = run_engine(
+        make(fresh_sim), [ChatRequest("long", user("word " * 400)), ChatRequest("ok", user("hi"))]
+    )
+    assert engine.s.context_window == 300
+    assert results["long"].error_class == "context_length" and results["long"].attempts == 0
+    assert results["ok"].ok and fresh_sim.stats()["received"] == 1
+
+
+# -- the provider's rate-limit headers ----------------------------------------------------
+
+
+def test_a_provider_bucket_of_a_minute_is_used_whole(fresh_sim, valkey_url):
+    # 60k tokens/min in a 60 s bucket: 40 requests of ~300 tokens take 12 s at the per-minute
+    # pace, but the provider takes them at once; its remaining/reset headers show it.
+    fresh_sim.configure(tpm=60_000, rpm=6000, bucket_s=60.0)
+    llm = make(
+        fresh_sim,
+        tpm=60_000,
+        rpm=6000,
+        redis_url=valkey_url,
+        job_key="minute-bucket",
+        params={"max_tokens": 200},
+        max_concurrency=8,
+    )
+    started = time.monotonic()
+    results, _ = run_engine(llm, [ChatRequest(i, user(f"m{i} " * 80)) for i in range(40)])
+    assert all(r.ok for r in results.values())
+    assert time.monotonic() - started < 6
+    assert fresh_sim.stats().get("rate_limited", 0) == 0
+
+
+def test_a_capacity_sent_as_the_limit_does_not_cut_the_rate(fresh_sim, valkey_url):
+    fresh_sim.configure(rpm=1200, bucket_s=1.0, limit_header="capacity")
+    llm = make(fresh_sim, rpm=1200, redis_url=valkey_url, job_key="capacity-header")
+    started = time.monotonic()
+    results, engine = run_engine(llm, [ChatRequest(i, user(f"c{i}")) for i in range(60)])
+    assert all(r.ok for r in results.values())
+    assert engine.limiter.rpm == 1200  # 20 (the bucket) was not taken as requests/min
+    assert time.monotonic() - started < 6  # 60 requests at 20/s: 3 s (at 20/min: 3 min)
+
+
+def test_a_whole_second_retry_after_is_no_shared_pause(fresh_sim, valkey_url):
+    fresh_sim.configure(rpm=600, bucket_s=0.5, retry_after="seconds", limit_header="none")
+    llm = make(fresh_sim, rpm=1200, redis_url=valkey_url, job_key="whole-second", max_attempts=20)
+    results, _ = run_engine(llm, [ChatRequest(i, user(f"w{i}")) for i in range(40)])
+    assert all(r.ok for r in results.values())
+    assert sum(r.http_429 for r in results.values()) > 0
+    assert state(valkey_url, llm).get("pause", 0) == 0
+
+
+# -- Redis --------------------------------------------------------------------------------------
+
+
+def test_a_wrong_redis_port_fails_the_run_within_seconds(fresh_sim):
+    llm = make(fresh_sim, rpm=600, redis_url="redis://127.0.0.1:1/0")
+    started = time.monotonic()
+    with pytest.raises(E.LimiterUnavailableError, match=r"could not be reached.*port"):
+        run_engine(llm, [ChatRequest(1, user("x"))])
+    assert time.monotonic() - started < 10
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+def test_a_wrong_redis_password_fails_the_run_with_a_clear_message(fresh_sim):
+    with EmbeddedValkey() as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", "the-password")
+        url = server.url.replace("redis://", "redis://default:not-the-password@")
+        llm = make(fresh_sim, rpm=600, redis_url=url)
+        started = time.monotonic()
+        with pytest.raises(E.LimiterUnavailableError) as info:
+            run_engine(llm, [ChatRequest(1, user("x"))])
+    assert time.monotonic() - started < 10
+    assert "not-the-password" not in str(info.value)
+    assert "refused the credentials" in str(info.value)
+    assert fresh_sim.stats().get("received", 0) == 0
+
+
+def test_redis_response_errors_fail_rows_with_a_reason_not_a_dead_worker(fresh_sim):
+    """A real Valkey made read-only (a replica after a failover) and one out of memory."""
+    with EmbeddedValkey() as primary, EmbeddedValkey() as replica:
+        host, port = primary.url.removeprefix("redis://").split("/")[0].split(":")
+        r = redis.Redis.from_url(replica.url)
+        r.execute_command("REPLICAOF", host, port)
+        time.sleep(0.5)
+
+        async def main(url, outage_s):
+            client = aioredis.Redis.from_url(url)
+            await check_redis(client, url)
+            settings = LimiterSettings(rpm=600, outage_s=outage_s)
+            limiter = RedisLimiter(client, namespace="t:{ro}", settings=settings)
+            transport = AiohttpTransport(base_url=fresh_sim.url, api_key=SIM_KEY, model="sim-1")
+            engine = Engine(EngineSettings(model="sim-1", max_concurrency=4), transport, limiter)
+            try:
+                reqs = (ChatRequest(i, user("x")) for i in range(12))
+                return [res async for res in engine.map(reqs)]
+            finally:
+                await transport.aclose()
+                await client.aclose()
+
+        started = time.monotonic()
+        results = asyncio.run(main(replica.url, 1.0))  # READONLY: retried, then the row fails
+        assert len(results) == 12 and time.monotonic() - started < 20
+        assert {x.error_class for x in results} == {"limiter_unavailable"}
+        assert "READONLY" in results[0].error_message or "read only" in results[0].error_message
+
+        p = redis.Redis.from_url(primary.url)
+        p.config_set("maxmemory-policy", "noeviction")
+        p.config_set("maxmemory", "1")
+        results = asyncio.run(main(primary.url, 30.0))  # OOM: fails at once, with the reason
+        assert len(results) == 12 and {x.error_class for x in results} == {"limiter_unavailable"}
+        assert "OOM" in results[0].error_message or "memory" in results[0].error_message
+
+
+# -- parsing, profiles and small parts (no server needed) ---------------------------------------
+
+
+def test_openai_durations_and_plain_seconds_are_read():
+    from batch_llm_assets.engine.usage import parse_duration
+
+    assert parse_duration("6m0s") == 360
+    assert parse_duration("1.5s") == 1.5
+    assert parse_duration("12ms") == pytest.approx(0.012)
+    assert parse_duration("1m1.25s") == 61.25
+    assert parse_duration("0.5") == 0.5 and parse_duration("2") == 2
+    assert parse_duration("soon") is None and parse_duration(None) is None
+
+
+def test_usage_in_every_shape():
+    from batch_llm_assets.engine.usage import parse_usage
+
+    openai = {
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 3},
+    }
+    u = parse_usage(openai)
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens) == (
+        10,
+        5,
+        4,
+        3,
+    )
+    u = parse_usage({"input_tokens": 7, "output_tokens": 2, "cache_read_input_tokens": 1})
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (7, 2, 1)
+    assert parse_usage({"prompt_tokens": 9, "total_tokens": 12}).completion_tokens == 3
+    assert parse_usage(None) is None and parse_usage({}) is None
+
+
+def test_providers_are_told_apart_by_their_url():
+    from batch_llm_assets.engine.profiles import detect_provider, profile_for, token_param_for
+
+    assert detect_provider("https://api.openai.com/v1") == "openai"
+    assert detect_provider("https://x.openai.azure.com") == "azure"
+    assert detect_provider("https://any", api_version="2024-10-21") == "azure"
+    g = "https://generativelanguage.googleapis.com/v1beta/openai"
+    assert detect_provider(g) == "gemini"
+    assert detect_provider("http://localhost:8000/v1") == "vllm"
+    assert detect_provider("http://localhost:8080/v1") == "llamacpp"
+    assert detect_provider("http://localhost:11434/v1") == "llamacpp"
+    assert detect_provider("http://gateway.internal/v1") == "generic"
+    local = profile_for(None, "http://localhost:8080/v1")
+    assert local.max_concurrency <= 8 and local.request_timeout_s >= 300
+    with pytest.raises(ValueError, match="unknown provider 'bedrock'"):
+        profile_for("bedrock", "")
+    for model in ("gpt-5", "gpt-5-mini", "o1-preview", "o3", "o4-mini", "openai/gpt-5"):
+        assert token_param_for(model) == "max_completion_tokens"
+    assert token_param_for("gpt-4o-mini") == token_param_for("llama-3") == "max_tokens"
+
+
+def test_a_resource_takes_its_profile_defaults():
+    llm = LLMResource(base_url="http://localhost:11434/v1", model="llama3")
+    assert llm.profile.name == "llamacpp" and llm.concurrency == 4
+    assert llm.engine_settings().request_timeout_s == 600
+    assert LLMResource(provider="ollama").profile.name == "llamacpp"
+    with pytest.raises(Exception, match="unknown provider"):
+        LLMResource(provider="nope")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"data": [{"id": "m", "max_model_len": 8192}]},  # vLLM
+        {"data": [{"id": "m", "meta": {"n_ctx_train": 1, "n_ctx": 8192}}]},  # llama.cpp
+        {"data": [{"id": "m", "context_length": 8192}]},  # OpenRouter, LM Studio
+    ],
+)
+def test_context_windows_in_the_shapes_servers_send(payload):
+    from batch_llm_assets.engine.profiles import context_window_from_models
+
+    assert context_window_from_models(payload, "m") == 8192
+    assert context_window_from_models({"data": []}, "m") is None
+
+
+def test_a_limit_header_is_read_with_remaining_and_reset():
+    from batch_llm_assets.engine.limiter import _per_minute
+
+    # OpenAI: a per-minute figure below the configured one is adopted.
+    assert _per_minute(50_000, 49_000, 0.1, 60_000) == 50_000
+    # A 1 s bucket's capacity (1000) sent as the limit: its refill says 60k/min; not a cut.
+    assert _per_minute(1000, 500, 0.5, 60_000) is None
+    # ... and when the true rate is lower than configured, that rate is adopted, not 1000.
+    assert _per_minute(1000, 500, 0.6, 60_000) == 50_000
+    assert _per_minute(None, None, None, 60_000) is None
+
+
+def test_limiter_warnings_are_one_line_per_kind_per_period(caplog):
+    from batch_llm_assets.engine.limiter import _Warnings
+
+    warn = _Warnings(every_s=10)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(50):
+            warn("ConnectionError", "Limiter Redis unavailable (%s); retrying.", "x")
+        warn("ResponseError", "other kind")
+    assert caplog.text.count("Limiter Redis unavailable") == 1
+    assert caplog.text.count("other kind") == 1
+
+
+def test_a_cluster_url_makes_a_cluster_client():
+    # No Redis Cluster runs here (it needs 3+ nodes): only which client the URL selects.
+    from batch_llm_assets.engine.limiter import connect_redis
+
+    assert isinstance(connect_redis("redis+cluster://127.0.0.1:7000/0"), aioredis.RedisCluster)
+    assert isinstance(connect_redis("redis://127.0.0.1:6379/0"), aioredis.Redis)
+
+
+def test_error_signatures_ignore_ids_and_numbers():
+    a = E.ProviderError("server_error", "HTTP 500: failed req_abc123 at 17:02", status=500)
+    b = E.ProviderError("server_error", "HTTP 500: failed req_zzz999 at 18:44", status=500)
+    c = E.ProviderError("server_error", "HTTP 500: other", status=500)
+    assert a.signature == b.signature != c.signature
