@@ -499,23 +499,23 @@ def test_partitions_keep_their_own_rows_and_old_tables_are_reclustered(bq_endpoi
         f"INSERT INTO `{dataset}`.`old_out` (id, partition_key, status, request_hash) "
         "VALUES (1, 'a', 'ok', 'a/1'), (2, 'a', 'ok', 'a/2')",
     )
-    grown = OutputTable(table, (*OUTPUT_COLUMNS, ("finish_reason", "string")))
+    grown = OutputTable(table, (*OUTPUT_COLUMNS, ("label", "string")))
     with warehouse(bq_endpoint).session() as s:
         s.ensure_output(grown, src)
         assert bq.get_table(table).clustering_fields == ["partition_key", "id"]
         # The same ids in partition b are new rows; a's rows are untouched.
         s.write_results(
-            grown, [result_row(1, "b", finish_reason="stop"), result_row(2, "b", "failed")]
+            grown, [result_row(1, "b", label="stop"), result_row(2, "b", "failed")]
         )
         assert s.done_hashes(grown, "a", [1, 2, 3]) == {1: "a/1", 2: "a/2"}
         assert s.done_hashes(grown, "b", [1, 2, 3]) == {1: "b/1"}
         s.ensure_output(grown, src)  # idempotent
-        changed = OutputTable(table, (*OUTPUT_COLUMNS, ("finish_reason", "int")))
-        with pytest.raises(BatchLLMError, match="finish_reason is STRING, expected INT64"):
+        changed = OutputTable(table, (*OUTPUT_COLUMNS, ("label", "int")))
+        with pytest.raises(BatchLLMError, match="label is STRING, expected INT64"):
             s.ensure_output(changed, src)
     rows = query(
         bq,
-        f"SELECT partition_key, id, status, finish_reason FROM `{dataset}`.`old_out` ORDER BY 1, 2",
+        f"SELECT partition_key, id, status, label FROM `{dataset}`.`old_out` ORDER BY 1, 2",
     )
     assert rows == [
         ("a", 1, "ok", None),

@@ -113,7 +113,7 @@ def test_the_asset_definition_records_what_is_known():
     md = spec.metadata
     assert md["dagster/table_name"] == "news_sentiment"
     assert md["batch_llm/system_prompt"].startswith("You are a financial news analyst")
-    assert md["batch_llm/params"].data == {"temperature": 0, "max_tokens": 5}
+    assert md["batch_llm/params"].data == {"temperature": 0, "max_tokens": 24}
     assert "batch_llm/model" not in md  # the resource's: recorded per materialization
     types = {c.name: c.type for c in md["dagster/column_schema"].columns}
     assert types["cost_usd"] == "DOUBLE" and types["completed_at"] == "TIMESTAMPTZ"

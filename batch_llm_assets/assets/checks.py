@@ -82,15 +82,17 @@ def check_results(
 def failure_reason(
     summary: dict[str, Any], rows_in: int, *, max_failed_fraction: float, aborted: str | None
 ) -> str | None:
-    """Why the run fails (the batch was aborted, or too much of the partition failed), or None."""
-    if aborted:
-        return aborted
+    """Why the run fails, or None: too much of the partition (as the output table holds it) has
+    failed. A breaker trip (`aborted`) is named first; on its own it does not fail a partition
+    that stays under the threshold, e.g. a rerun of its few failing rows that trip the breaker
+    by failing alike again."""
     fraction = failed_fraction(summary, rows_in)
     if fraction > max_failed_fraction:
-        return (
+        why = (
             f"{summary['rows_failed']} of the partition's {rows_in} rows have failed "
             f"({fraction:.1%} > {max_failed_fraction:.1%})"
         )
+        return f"{aborted}; {why}" if aborted else why
     return None
 
 

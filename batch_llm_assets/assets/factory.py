@@ -374,6 +374,9 @@ def _run_partition(
         raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
     metadata = build_metadata(stats, summary=summary, model=run.model, output=spec.output)
     metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
+    if stats.aborted:
+        context.log.warning(f"partition {partition_key}: sending stopped early: {stats.aborted}")
+        metadata["run/stopped_sending"] = dg.MetadataValue.text(stats.aborted)
     if run.served_model and run.served_model != run.model:
         metadata["served_model"] = dg.MetadataValue.text(run.served_model)
     judge_partition(

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC
 from typing import Any
 
-from google.api_core.exceptions import Conflict, NotFound, PreconditionFailed
+from google.api_core.exceptions import BadRequest, Conflict, NotFound, PreconditionFailed
 from google.cloud import bigquery
 
 from ..engine.errors import BatchLLMError
@@ -315,11 +315,20 @@ class BigQuerySession(WarehouseSession):
         # column, as bqemulator takes only one ALTER command per statement.
         for c, t in missing:
             sql = f"ALTER TABLE {_qt(table)} ADD COLUMN IF NOT EXISTS {_q(c)} {t}"
-            run_dml(lambda sql=sql: self._query(sql).result(), what=f"Adding {c} to {table!r}")
+            run_dml(lambda sql=sql: self._add_column(sql), what=f"Adding {c} to {table!r}")
         if missing:
             self._schemas.pop(table, None)
         run_dml(lambda: self._cluster(ref, key), what=f"Clustering {table!r} by {key}")
         self._id_types[table] = id_type
+
+    def _add_column(self, sql: str) -> None:
+        """A column a concurrent run (or a stale schema read: bqemulator's metadata can lag its
+        storage) already added is fine: IF NOT EXISTS is not honoured everywhere."""
+        try:
+            self._query(sql).result()
+        except BadRequest as exc:
+            if "already exists" not in str(exc):
+                raise
 
     def _ddl(self, sql: str) -> None:
         """CREATE ... IF NOT EXISTS, which a concurrent run's identical statement may race."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..engine import ChatRequest, ChatResult
 from ..engine import errors as E
+from ..engine.outcome import ANSWER_CLASSES
 
 # llm-d's result error codes (api.ErrCode*).
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
@@ -175,6 +176,13 @@ def error_result(msg_id: str, code: str, message: str) -> str:
     )
 
 
+def answered(result: ChatResult) -> bool:
+    """The provider answered (HTTP 200): an ok answer, or one a batch row would fail for its
+    shape (truncated, refusal, content_filter, ...). A queue caller gets those as llm-d does,
+    a 200 whose payload carries finish_reason and refusal, and judges them itself."""
+    return result.ok or result.error_class in ANSWER_CLASSES
+
+
 def ok_result(msg: RequestMessage, result: ChatResult, model: str) -> str:
     """An HTTP 200 result whose payload is a chat.completion body rebuilt from the answer."""
     body = {
@@ -185,7 +193,11 @@ def ok_result(msg: RequestMessage, result: ChatResult, model: str) -> str:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.response},
+                "message": {
+                    "role": "assistant",
+                    "content": result.response,
+                    **({"refusal": result.refusal} if result.refusal else {}),
+                },
                 "finish_reason": result.finish_reason,
             }
         ],

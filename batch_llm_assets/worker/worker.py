@@ -184,7 +184,7 @@ class Worker:
         finally:
             m.inflight.dec()
         m.record_result(result)
-        if result.ok:
+        if M.answered(result):
             m.successful.inc()
             await self._answer(member, msg.id, M.ok_result(msg, result, self.s.model))
             return
