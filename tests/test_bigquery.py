@@ -504,9 +504,7 @@ def test_partitions_keep_their_own_rows_and_old_tables_are_reclustered(bq_endpoi
         s.ensure_output(grown, src)
         assert bq.get_table(table).clustering_fields == ["partition_key", "id"]
         # The same ids in partition b are new rows; a's rows are untouched.
-        s.write_results(
-            grown, [result_row(1, "b", label="stop"), result_row(2, "b", "failed")]
-        )
+        s.write_results(grown, [result_row(1, "b", label="stop"), result_row(2, "b", "failed")])
         assert s.done_hashes(grown, "a", [1, 2, 3]) == {1: "a/1", 2: "a/2"}
         assert s.done_hashes(grown, "b", [1, 2, 3]) == {1: "b/1"}
         s.ensure_output(grown, src)  # idempotent
