@@ -50,7 +50,12 @@ def demo_asset(mode: str, output: str, batch: BatchSettings | None = None) -> dg
             partition_column=src["partition_column"],
             columns=src["columns"],
         ),
-        prompt=Prompt(template=attrs["prompt"]["template"], system=attrs["prompt"]["system"]),
+        # The demo's prompt as a one-word label: batch mode does not take output_schema yet.
+        prompt=Prompt(
+            template=attrs["prompt"]["template"]
+            + "\nAnswer with one of: positive, negative, neutral",
+            system=attrs["prompt"]["system"],
+        ),
         output=output,
         params=attrs["params"],
         partitions_def=dg.DailyPartitionsDefinition(

@@ -30,6 +30,7 @@ from _common import make_prompts, messages
 
 from batch_llm_assets import ChatRequest, LLMResource
 from batch_llm_assets.engine import EmbeddedValkey
+from batch_llm_assets.engine.outcome import ANSWER_CLASSES
 from batch_llm_assets.simulator import SimulatorProcess
 from batch_llm_assets.worker import QueueNames, Worker, WorkerSettings, open_parts, submit
 
@@ -90,7 +91,9 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
         nonlocal batch_ok
         reqs = (ChatRequest(i, messages(p[:400])) for i, p in enumerate(prompts))
         async for r in llm.chat_batch(reqs):
-            batch_ok += r.ok
+            # Every answer the provider gave counts (a 16-token cap truncates free text, which
+            # a batch row records as failed `truncated`; the worker returns it as a 200).
+            batch_ok += r.ok or r.error_class in ANSWER_CLASSES
 
     stop = asyncio.Event()
     async with open_parts(settings) as parts:
