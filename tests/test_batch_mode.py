@@ -135,6 +135,36 @@ def test_batch_partition_is_written_at_half_price_and_rerun_sends_nothing(bsim, 
     assert bsim.stats()["batches_created"] == 1
 
 
+def test_typed_outputs_in_batch_mode_fill_typed_columns(bsim, db):
+    """Structured outputs apply unchanged in batch mode: the JSONL bodies ask for the schema, each
+    output line is validated, each field gets its typed column; an invalid line fails
+    invalid_output (a batch has no repair turn)."""
+    schema = {"label": {"type": "enum", "values": ["up", "down"]}, "score": "number"}
+    typed = build_llm_batch_asset(
+        name="sentiment",
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=PROMPT,
+        output="news_sentiment",
+        params={"max_tokens": 64},
+        output_schema=schema,
+        max_failed_fraction=1.0,
+        partitions_def=DAYS,
+        mode="batch",
+        batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5),
+    )
+    bsim.configure(invalid_json=0.2)
+    assert materialize(typed, bsim, db).success
+    bsim.configure(invalid_json=0.0)
+    rows = query(db, "SELECT status, error_class, label, score FROM news_sentiment")
+    assert len(rows) == PER_DAY and bsim.stats()["batches_created"] == 1
+    ok = [r for r in rows if r[0] == "ok"]
+    bad = [r for r in rows if r[0] != "ok"]
+    assert ok and all(r[2] in ("up", "down") and isinstance(r[3], float) for r in ok)
+    assert bad and {(r[1], r[2], r[3]) for r in bad} == {("invalid_output", None, None)}
+
+
 _DEFS = """
 import dagster as dg
 from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
@@ -449,7 +479,7 @@ def test_the_batch_client_and_the_simulator_batch_routes_import_no_dagster():
     root = Path(batch_llm_assets.__file__).parent
     allowed = {
         "engine/batch_api.py": {"errors", "transport", "engine"},
-        "simulator/batch.py": {"engine.tokens", "server"},
+        "simulator/batch.py": {"engine.tokens", "server", "structured"},
     }
     for rel, ours in allowed.items():
         for node in ast.walk(ast.parse((root / rel).read_text())):

@@ -34,6 +34,7 @@ from ..engine.batch_api import (
     split_files,
 )
 from ..engine.identity import request_identity
+from ..engine.structured import provider_kind, shape_request
 from ..engine.tokens import count_prompt_tokens, requested_max_tokens
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, WarehouseSession, check_table
@@ -100,7 +101,13 @@ class BatchPartitionRun:
         self.max_tokens = requested_max_tokens(self.params, engine.default_max_tokens)
         self.window = engine.context_window
         self.state_table = state_table_for(spec.output.name)
-        self.rows = BatchRows(llm, self.model, partition_key, settings.price_factor)
+        self.rows = BatchRows(
+            llm, self.model, partition_key, settings.price_factor, typed=spec.output_schema
+        )
+        # Typed outputs: asked for in the provider's form, validated per line (no repair turn).
+        self.provider_kind = provider_kind(
+            llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
+        )
         self.stats = self.rows.stats
         self.finalized: set[Any] = set()  # ids this run wrote or found done: not sent again
         self._provider_full = False
@@ -242,7 +249,18 @@ class BatchPartitionRun:
                         self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent")
                     )
                     continue
-                body = {**self.params, "model": self.model, "messages": messages}
+                typed = self.spec.output_schema
+                shaped: dict[str, Any] = {}
+                if typed is not None:
+                    shaped, messages = shape_request(
+                        self.provider_kind,
+                        typed.json_schema(),
+                        messages,
+                        {},
+                        name=typed.name,
+                        strict=typed.strict_ok,
+                    )
+                body = {**self.params, **shaped, "model": self.model, "messages": messages}
                 if "max_tokens" not in body and "max_completion_tokens" not in body:
                     body["max_tokens"] = self.max_tokens
                 rhash = request_identity(body, self.llm.base_url, self.llm.api_version)

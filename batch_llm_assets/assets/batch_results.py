@@ -19,6 +19,7 @@ from .checks import check_results, judge_partition
 from .metadata import build_metadata
 from .pipeline import RunSpec, RunStats
 from .pricing import cost_usd, price_for
+from .structured import OutputSchema, field_check_results, field_quality, quality_metadata
 
 if TYPE_CHECKING:
     from .batch_mode import BatchSettings
@@ -40,7 +41,16 @@ class BatchStats(RunStats):
 class BatchRows:
     """Builds output rows (the live mode's columns) and counts them into the stats."""
 
-    def __init__(self, llm: LLMResource, model: str, partition_key: str, factor: float) -> None:
+    def __init__(
+        self,
+        llm: LLMResource,
+        model: str,
+        partition_key: str,
+        factor: float,
+        *,
+        typed: OutputSchema | None = None,
+    ) -> None:
+        self.typed = typed
         price = price_for(
             model,
             input_override=llm.price_input_per_1m,
@@ -80,14 +90,22 @@ class BatchRows:
                 rid, rhash, line.error_class or E.SERVER_ERROR, line.error_message or ""
             )
         verdict = classify_answer(resp, tools_allowed=tools_allowed, max_tokens=max_tokens)
+        status, error_class, message = verdict.status, verdict.error_class, verdict.message
+        if self.typed is not None and (verdict.ok or error_class == "truncated"):
+            try:  # typed outputs: validated as live answers are (a batch has no repair turn)
+                self.typed.parse(resp.content)
+            except ValueError as exc:
+                status, error_class, message = "failed", E.INVALID_OUTPUT, str(exc)
+            else:
+                status, error_class, message = "ok", None, None
         result = ChatResult(
             rid,
-            verdict.status,
-            response=verdict.response,
+            status,
+            response=verdict.response if verdict.response is not None else resp.content,
             finish_reason=resp.finish_reason,
             refusal=resp.refusal,
-            error_class=verdict.error_class,
-            error_message=verdict.message,
+            error_class=error_class,
+            error_message=message,
             prompt_tokens=resp.prompt_tokens,
             completion_tokens=resp.completion_tokens,
             attempts=1,
@@ -121,7 +139,16 @@ class BatchRows:
             "attempts": r.attempts,
             "request_hash": rhash,
             "completed_at": datetime.now(UTC),
+            **self._typed_values(r),
         }
+
+    def _typed_values(self, r: ChatResult) -> dict[str, Any]:
+        """Typed outputs: each field of a valid answer in its own column (NULL otherwise)."""
+        if self.typed is None:
+            return {}
+        if not r.ok:
+            return dict.fromkeys(self.typed.names)
+        return self.typed.row_values(r.response)
 
 
 def materialize_batch_partition(
@@ -156,6 +183,8 @@ def materialize_batch_partition(
         try:
             stats = run.run()
             summary = session.partition_summary(output, partition_key)
+            typed = spec.output_schema
+            quality = field_quality(session, output, partition_key, typed.names) if typed else {}
         except E.BatchLLMError as exc:
             raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
     metadata = build_metadata(stats, summary=summary, model=run.model, output=output)
@@ -170,8 +199,12 @@ def materialize_batch_partition(
         )
     # With batches still open the checks say what the output holds now (rows still queued are
     # missing); the completion sensor's materialisation checks the partition again.
+    metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
     results = (
-        check_results(summary, stats.rows_in, warn_failed_fraction=warn_failed_fraction)
+        [
+            *check_results(summary, stats.rows_in, warn_failed_fraction=warn_failed_fraction),
+            *field_check_results(context.asset_key, quality, warn_failed_fraction),
+        ]
         if checks
         else []
     )

@@ -401,8 +401,6 @@ class LlmBatchSpec(_Spec):
                 "output_schema is set: it decides the answer's format (and how the provider is "
                 "asked for it); drop response_format",
             )
-        if typed is not None and self.mode == "batch":
-            fail("output_schema", "typed outputs are not yet supported in mode 'batch'")
         if self.repair_attempts < 0:
             fail("repair_attempts", f"must be >= 0, got {self.repair_attempts}")
         if not 0 <= self.max_failed_fraction <= 1:

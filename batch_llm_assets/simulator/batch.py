@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens
+from .structured import requested_schema
 
 if TYPE_CHECKING:
     from .server import Simulator
@@ -341,7 +342,14 @@ class BatchAPI:
             or sim.config.default_max_tokens
         )
         prompt_tokens = count_prompt_tokens(messages, model)
-        content, completion_tokens, finish = sim._answer(messages, model, budget)
+        refusal = None
+        schema = requested_schema(body)
+        if schema is not None:  # typed outputs: JSON generated from the schema, as the chat route
+            content, refusal, completion_tokens, finish = sim._structured(
+                schema, messages, model, budget
+            )
+        else:
+            content, completion_tokens, finish = sim._answer(messages, model, budget)
         sim.counts["completion_tokens"] += completion_tokens
         return 200, {
             "id": f"chatcmpl-b{uuid.uuid4().hex[:12]}",
@@ -351,7 +359,7 @@ class BatchAPI:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content},
+                    "message": {"role": "assistant", "content": content, "refusal": refusal},
                     "finish_reason": finish,
                     "logprobs": None,
                 }
