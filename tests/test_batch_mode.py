@@ -135,6 +135,29 @@ def test_batch_partition_is_written_at_half_price_and_rerun_sends_nothing(bsim, 
     assert bsim.stats()["batches_created"] == 1
 
 
+def test_a_second_run_of_a_batch_partition_is_refused_before_submitting(bsim, db):
+    """Batch mode takes the live mode's partition lease: while another run holds the partition,
+    a run fails at once naming it, and submits nothing (counted at the simulator)."""
+    from batch_llm_assets.assets.journal import default_journal_dir, journal_key
+    from batch_llm_assets.assets.lease import partition_lease
+
+    name = journal_key(f"duckdb:{os.path.abspath(db)}|news_sentiment", "2026-11-01")
+    with partition_lease(
+        name=name,
+        label="partition 2026-11-01 (held by the test)",
+        run_id="the-first-run",
+        lock_dir=default_journal_dir(),
+        redis_url=None,
+    ):
+        result = materialize(asset(), bsim, db)
+    assert not result.success
+    [failure] = result.get_step_failure_events()
+    assert "the-first-run" in str(failure.event_specific_data.error)
+    stats = bsim.stats()
+    assert stats.get("batches_created", 0) == 0 and stats.get("files_uploaded", 0) == 0
+    assert materialize(asset(), bsim, db).success  # once the holder is gone
+
+
 def test_typed_outputs_in_batch_mode_fill_typed_columns(bsim, db):
     """Structured outputs apply unchanged in batch mode: the JSONL bodies ask for the schema, each
     output line is validated, each field gets its typed column; an invalid line fails

@@ -16,6 +16,8 @@ from ..engine.outcome import classify_answer
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, Warehouse
 from .checks import check_results, judge_partition
+from .journal import default_journal_dir, journal_key
+from .lease import partition_lease
 from .metadata import build_metadata
 from .pipeline import RunSpec, RunStats
 from .pricing import cost_usd, price_for
@@ -181,7 +183,18 @@ def materialize_batch_partition(
             run_id=context.run_id,
         )
         try:
-            stats = run.run()
+            # The live mode's lease: one run of a partition at a time, live or batch, so two runs
+            # never submit the same pending rows.
+            lock_dir = default_journal_dir()
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            with partition_lease(
+                name=journal_key(f"{warehouse.identity()}|{output}", partition_key),
+                label=f"{partition_key!r} of {output}",
+                run_id=context.run_id,
+                lock_dir=lock_dir,
+                redis_url=llm.redis_url,
+            ):
+                stats = run.run()
             summary = session.partition_summary(output, partition_key)
             typed = spec.output_schema
             quality = field_quality(session, output, partition_key, typed.names) if typed else {}
