@@ -34,7 +34,7 @@ from ..engine.batch_api import (
     split_files,
 )
 from ..engine.identity import request_identity
-from ..engine.structured import provider_kind, shape_request
+from ..engine.structured import provider_kind
 from ..engine.tokens import count_prompt_tokens, requested_max_tokens
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, WarehouseSession, check_table
@@ -252,14 +252,7 @@ class BatchPartitionRun:
                 typed = self.spec.output_schema
                 shaped: dict[str, Any] = {}
                 if typed is not None:
-                    shaped, messages = shape_request(
-                        self.provider_kind,
-                        typed.json_schema(),
-                        messages,
-                        {},
-                        name=typed.name,
-                        strict=typed.strict_ok,
-                    )
+                    shaped, messages = typed.shape(self.provider_kind, messages)
                 body = {**self.params, **shaped, "model": self.model, "messages": messages}
                 if "max_tokens" not in body and "max_completion_tokens" not in body:
                     body["max_tokens"] = self.max_tokens

@@ -141,16 +141,8 @@ class BatchRows:
             "attempts": r.attempts,
             "request_hash": rhash,
             "completed_at": datetime.now(UTC),
-            **self._typed_values(r),
+            **(self.typed.result_values(r.ok, r.response) if self.typed else {}),
         }
-
-    def _typed_values(self, r: ChatResult) -> dict[str, Any]:
-        """Typed outputs: each field of a valid answer in its own column (NULL otherwise)."""
-        if self.typed is None:
-            return {}
-        if not r.ok:
-            return dict.fromkeys(self.typed.names)
-        return self.typed.row_values(r.response)
 
 
 def materialize_batch_partition(

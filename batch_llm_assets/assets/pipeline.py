@@ -27,7 +27,7 @@ from ..engine import errors as E
 from ..engine.engine import ChatRequest, ChatResult, Engine
 from ..engine.errors import redact
 from ..engine.identity import request_identity
-from ..engine.structured import provider_kind, shape_request, validator
+from ..engine.structured import provider_kind, validator
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
@@ -243,7 +243,9 @@ class PartitionRun:
                 batch.append(ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent")))
                 continue
             assert self._engine is not None
-            params, messages = self._shape(messages)
+            params, messages = (
+                self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
+            )
             # The exact body, structured params (the schema) included: a changed schema re-runs.
             h = request_identity(
                 self._engine.request_body(messages, params),
@@ -267,29 +269,6 @@ class PartitionRun:
                 )
             )
         return batch
-
-    def _shape(
-        self, messages: list[dict[str, Any]]
-    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-        """Typed outputs: the request's structured params and messages (unchanged without)."""
-        if self.typed is None:
-            return None, messages
-        return shape_request(
-            self.provider_kind,
-            self.typed.json_schema(),
-            messages,
-            {},
-            name=self.typed.name,
-            strict=self.typed.strict_ok,
-        )
-
-    def _typed_values(self, r: ChatResult) -> dict[str, Any]:
-        """Typed outputs: each field of a valid answer in its own column (NULL otherwise)."""
-        if self.typed is None:
-            return {}
-        if not r.ok:
-            return dict.fromkeys(self.typed.names)
-        return self.typed.row_values(r.response)
 
     async def _requests(self) -> AsyncIterator[ChatRequest]:
         queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
@@ -335,7 +314,7 @@ class PartitionRun:
                 "attempts": r.attempts,
                 "request_hash": self._hashes.pop(r.id, None),
                 "completed_at": now,
-                **self._typed_values(r),
+                **(self.typed.result_values(r.ok, r.response) if self.typed else {}),
             }
         )
 

@@ -25,6 +25,7 @@ import dagster as dg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ..engine.errors import BatchLLMError
+from ..engine.structured import shape_request
 from ..warehouses.base import check_identifier
 
 SCALARS = ("string", "integer", "number", "boolean")
@@ -157,6 +158,18 @@ class OutputSchema:
             __config__=ConfigDict(strict=True, extra="forbid"),
             **{f.name: (f.annotation(), ...) for f in self.fields},
         )
+
+    def shape(
+        self, provider_kind: str, messages: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The request's structured params and messages, in the provider's form."""
+        return shape_request(
+            provider_kind, self.json_schema(), messages, {}, name=self.name, strict=self.strict_ok
+        )
+
+    def result_values(self, ok: bool, text: str | None) -> dict[str, Any]:
+        """Column values of a row: a valid ok answer's fields, NULLs for a failed row."""
+        return self.row_values(text) if ok else dict.fromkeys(self.names)
 
     def row_values(self, text: str | None) -> dict[str, Any]:
         """Column values of a valid answer (objects as JSON text); NULLs for anything else."""
