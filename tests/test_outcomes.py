@@ -199,6 +199,25 @@ def test_request_identity_covers_the_exact_body_and_endpoint_never_the_key():
     assert sent == body | {"temperature": 1}  # the default max_tokens is part of what is sent
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": 'é "q" \\ \u2028'}, {"role": "user", "content": "1.0"}],
+        [{"role": "user", "content": [{"type": "text", "text": "x", "w": 2.0}]}],
+    ],
+)
+def test_the_per_row_identity_is_the_whole_body_identity(messages):
+    """A partition run hashes every row with MessagesIdentity (the body minus its messages
+    encoded once): it must give exactly request_identity's digest, or reruns would re-pay."""
+    from batch_llm_assets.engine.identity import MessagesIdentity
+
+    rest = {"model": "m", "max_tokens": 16, "temperature": 1.0, "stop": ["\n"], "seed": None}
+    for url, version in (("http://a/v1/", None), ("https://b", "2024-10-21")):
+        fast = MessagesIdentity(rest, url, version)
+        assert fast(messages) == request_identity(rest | {"messages": messages}, url, version)
+
+
 def test_changing_what_is_sent_resends_and_changing_nothing_resends_nothing(fresh_sim, db):
     def sent(a, **llm):
         result = run(a, fresh_sim, db, **llm)

@@ -348,6 +348,41 @@ def test_templates_are_bounded_in_time_and_size(fresh_sim, tmp_path, template, e
     assert fresh_sim.stats().get("received", 0) == 0
 
 
+@pytest.mark.parametrize(
+    "template,system",
+    [
+        ("{{ headline }}. Up, down or flat?", None),
+        ("Rate: {{ headline }}\n\n{{ n }} {{ x }} {{ flag }}\n", "You rate {{ topic }}."),
+        ("{{ headline }}{{ headline }}", "{{ blob }}"),
+        ("{{ topic }} ", None),
+        ("{{ headline }}", "{{ n }}"),
+    ],
+)
+def test_plain_templates_render_exactly_as_jinja_does(template, system):
+    """Text with `{{ column }}` holes skips Jinja's machinery: the output, the NULL and size
+    failures must be the sandbox's own, for every kind of value."""
+    from batch_llm_assets.assets.prompt import CompiledPrompt
+
+    cols = ("headline", "n", "x", "flag", "topic", "blob")
+    fast = CompiledPrompt(Prompt(template=template, system=system), cols)
+    slow = CompiledPrompt(Prompt(template=template, system=system), cols)
+    assert fast._user_plan is not None
+    slow._user_plan = slow._system_plan = None  # the sandbox path
+    rows = [
+        dict(headline="Stocks rise", n=3, x=2.5, flag=True, topic="équités", blob=b"\xffab"),
+        dict(headline="é" * 50, n=-0, x=float("nan"), flag=False, topic="", blob=b""),
+        dict(headline=None, n=1, x=1e300, flag=None, topic="t", blob=None),
+        dict(headline="", n=0, x=0.1, flag=True, topic="  ", blob=b"x"),
+        dict(headline="big" * 40, n=10**30, x=-1.0, flag=True, topic="t", blob=b"y"),
+        dict(
+            headline=Decimal("1.50"), n=date(2026, 1, 2), x=UUID(int=5), flag=[1], topic={}, blob=1
+        ),
+    ]
+    for row in rows:
+        for limit in (None, 60):
+            assert fast.render(row, max_chars=limit) == slow.render(row, max_chars=limit), row
+
+
 # -- the journal ----------------------------------------------------------------------------------
 
 
@@ -404,8 +439,9 @@ def test_a_read_only_journal_fails_naming_the_path_and_the_error(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], check=True)
     try:
         journal = ResultJournal(ro, "scope", "pk")
+        journal.append({"id": 1, "status": "ok"})  # held until the end of the loop's turn
         with pytest.raises(Exception, match="Read-only file system") as err:
-            journal.append({"id": 1, "status": "ok"})
+            journal.flush()
         assert str(ro) in err.value.description and "errno 30" in err.value.description
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
@@ -558,3 +594,47 @@ def test_the_lease_lapses_when_its_holder_is_killed(tmp_path, valkey_url, backen
         except Exception:
             assert time.monotonic() < deadline, "the lease did not lapse"
             time.sleep(0.1)
+
+
+def test_an_answer_reaches_the_journal_hook_before_the_limiter_hears_of_it(fresh_sim, valkey_url):
+    """The journal gets an answer before anything that can wait on Redis (the reconcile, the
+    provider-state feedback): with Redis refusing writes for 4 s while the answer is in
+    flight, the hook still sees it at once, and the feedback catches up afterwards."""
+    fresh_sim.configure(latency_ms=800, jitter=0.0)
+    llm = LLMResource(
+        base_url=fresh_sim.url,
+        api_key=SIM_KEY,
+        model="sim-1",
+        rpm=600,
+        tpm=600_000,
+        redis_url=valkey_url,
+    )
+    seen: list[float] = []
+    pause_ends: list[float] = []
+
+    async def run() -> list:
+        admin = redis.asyncio.Redis.from_url(valkey_url)
+
+        async def pause_writes() -> None:
+            await asyncio.sleep(0.3)  # the request holds its slot and is at the provider
+            await admin.execute_command("CLIENT", "PAUSE", "4000", "WRITE")
+            pause_ends.append(time.monotonic() + 4.0)
+
+        try:
+            async with llm.engine() as engine:
+                pauser = asyncio.create_task(pause_writes())
+                reqs = [ChatRequest(1, [{"role": "user", "content": "hello there"}])]
+                out = [
+                    r
+                    async for r in engine.map(
+                        reqs, on_result=lambda r: seen.append(time.monotonic())
+                    )
+                ]
+                await pauser
+                return out
+        finally:
+            await admin.aclose()
+
+    results = asyncio.run(run())
+    assert [r.status for r in results] == ["ok"]
+    assert seen and pause_ends and seen[0] < pause_ends[0] - 2.0

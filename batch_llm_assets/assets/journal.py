@@ -1,7 +1,7 @@
 """A local journal of results not yet in the warehouse, so a killed run's answers are not lost.
 
-Every result is appended the moment it arrives (one line, flushed to the OS: it survives SIGKILL,
-not a power cut); the next run of the same partition writes what it finds into the warehouse
+Every result is appended the moment it arrives (one line; the lines of one event-loop turn are
+written to the OS together at its end: they survive SIGKILL, not a power cut); the next run of the same partition writes what it finds into the warehouse
 before sending anything. The journal is a series of segment files: the writer starts a new
 segment each time it takes the pending rows, and deletes the segments the warehouse has confirmed,
 so the journal on disk stays about a chunk long, and recovery reads it a chunk at a time.
@@ -21,6 +21,8 @@ from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from ..engine.errors import BatchLLMError
 
@@ -52,7 +54,8 @@ class ResultJournal:
         except OSError as exc:
             raise _error("create the journal directory", directory, exc) from None
         self.path = directory / f"{self.key}.jsonl"  # the layout before segments: still recovered
-        self._file: Any = None
+        self._fd: int | None = None
+        self._buffer: list[bytes] = []
         self._segment = self._last_segment()
         self._committed = self._segment  # segments up to this one are in the warehouse
 
@@ -92,14 +95,25 @@ class ResultJournal:
 
     # -- appending -------------------------------------------------------------------------
     def append(self, row: dict[str, Any]) -> None:
+        """Encode the row and hold it for `flush`, which the caller runs at the end of the
+        event-loop turn: one write for all the answers of a turn, not one per answer."""
+        self._buffer.append(_encode(row))
+
+    def flush(self) -> None:
+        """Hand the held lines to the OS (they survive SIGKILL from then on)."""
+        if not self._buffer:
+            return
+        data = b"\n".join(self._buffer) + b"\n"
+        self._buffer.clear()
         path = self._segment_path(self._segment)
         try:
-            if self._file is None:
+            if self._fd is None:
                 self._segment += 1
                 path = self._segment_path(self._segment)
-                self._file = path.open("a", encoding="utf-8")
-            self._file.write(_encode(row) + "\n")
-            self._file.flush()
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
         except OSError as exc:
             self._abandon()
             raise _error("append to", path, exc) from None
@@ -107,6 +121,7 @@ class ResultJournal:
     def rotate(self) -> int:
         """End the current segment: rows appended from now on go to a new one. Returns the mark
         to pass to `commit` once every row appended so far is in the warehouse."""
+        self.flush()
         self.close()
         return self._segment
 
@@ -118,24 +133,25 @@ class ResultJournal:
 
     def clear(self) -> None:
         """Delete every segment (after recovery, or when the run wrote everything)."""
+        self._buffer.clear()
         self.close()
         for path in self._segments():
             path.unlink(missing_ok=True)
         self._committed = self._segment
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass  # the error was reported by append
-            self._file = None
+        """Flush what is held (an error here was or will be reported by the run), then close."""
+        try:
+            self.flush()
+        except JournalError:
+            pass
+        self._abandon()
 
     def _abandon(self) -> None:
-        file, self._file = self._file, None
-        if file is not None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
             try:
-                file.close()
+                os.close(fd)
             except OSError:
                 pass
 
@@ -183,8 +199,21 @@ def _untag(obj: dict[str, Any]) -> Any:
     return obj
 
 
-def _encode(row: dict[str, Any]) -> str:
-    return json.dumps(row, default=_tag)
+_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME  # dates and datetimes are tagged, not strings
+
+
+def _encode(row: dict[str, Any]) -> bytes:
+    """One journal line (no newline). orjson on the hot path: an answer is encoded on the
+    event loop the moment it arrives. Ids that JSON or orjson would not give back as they were
+    (UUID, Decimal, bytes, dates) are tagged; anything orjson refuses (an int over 64 bits)
+    goes through the standard encoder."""
+    rid = row["id"]
+    if not isinstance(rid, int | str | float):
+        row = {**row, "id": _tag(rid)}
+    try:
+        return orjson.dumps(row, default=_tag, option=_ORJSON_OPTIONS)
+    except orjson.JSONEncodeError:
+        return json.dumps(row, default=_tag).encode()
 
 
 def _decode(line: str) -> dict[str, Any] | None:

@@ -1,7 +1,10 @@
 """One partition run, flowing one way: reader -> render -> engine workers -> journal -> writer.
 
-    reader thread    chunks of the slice, skip-done lookup, render (bounded)  -> request queue
-    engine workers   acquire, send, parse; the journal gets each answer at once (on_result)
+    reader           chunks of the slice, skip-done lookup, render (bounded)  -> requests
+                     (on the event loop for an embedded warehouse and a plain template,
+                     else a thread that stays a bounded number of chunks ahead)
+    engine workers   acquire, send, parse; the journal gets each answer at once (on_result,
+                     written to the OS at the end of the loop's turn)
     consumer         counts and logs progress; never waits for a write
     writer task      drains the pending rows into the warehouse in chunks (writer.py)
 
@@ -17,7 +20,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 from ..engine import errors as E
 from ..engine.engine import ChatRequest, ChatResult, Engine
 from ..engine.errors import redact
-from ..engine.identity import request_identity
+from ..engine.identity import MessagesIdentity, request_identity
 from ..engine.structured import provider_kind, validator
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
@@ -157,6 +160,9 @@ class PartitionRun:
         self.journal: ResultJournal | None = None
         self.lease: PartitionLease | None = None
         self._hashes: dict[Any, str] = {}
+        self._nothing_done = False
+        self._identities: tuple[str, MessagesIdentity] | None = None
+        self._plain = spec.prompt.plain
         self._stop = threading.Event()
         self.typed = spec.output_schema
         # Typed outputs: the provider's form of structured output.
@@ -195,6 +201,9 @@ class PartitionRun:
                 "that stopped before writing them"
             )
         self.journal.clear()
+        # A partition with no output rows yet (the first run, the common case) has nothing to
+        # skip: the reader then spares the warehouse a lookup per chunk (a query each on BigQuery).
+        self._nothing_done = self.db.count_output(self.spec.output.name, self.partition_key) == 0
 
     # -- the reader thread -------------------------------------------------------------------
     def _read(
@@ -221,9 +230,10 @@ class PartitionRun:
                 for chunk in chunks:
                     if self._stop.is_set():
                         return
-                    ids = [r[src.id_column] for r in chunk]
-                    done = self.db.done_hashes(self.spec.output, self.partition_key, ids)
-                    put(self._render(chunk, done))
+                    done = self._done(chunk)
+                    # A plain template renders on the event loop as rows are pulled (no GIL
+                    # contention with this thread); any other one here, off the loop.
+                    put((chunk, done) if self._plain else list(self._render(chunk, done)))
             put(_END)
         except _Stopped:
             return
@@ -231,8 +241,7 @@ class PartitionRun:
             with contextlib.suppress(_Stopped):
                 put(_ReaderFailed(exc))
 
-    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> list[ChatRequest]:
-        batch = []
+    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> Iterator[ChatRequest]:
         id_column = self.spec.source.id_column
         for row in chunk:
             if self._stop.is_set():
@@ -240,26 +249,29 @@ class PartitionRun:
             rid = row[id_column]
             messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
             if problem is not None:
-                batch.append(ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent")))
+                yield (ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent")))
                 continue
             assert self._engine is not None
             params, messages = (
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
             )
             # The exact body, structured params (the schema) included: a changed schema re-runs.
-            h = request_identity(
-                self._engine.request_body(messages, params),
-                self.llm.base_url,
-                self.llm.api_version,
-            )
+            if params is None:
+                h = self._identity(messages)
+            else:
+                h = request_identity(
+                    self._engine.request_body(messages, params),
+                    self.llm.base_url,
+                    self.llm.api_version,
+                )
             if done.get(rid) == h:
                 self.stats.skipped += 1
                 continue
             self._hashes[rid] = h
             if self.typed is None:
-                batch.append(ChatRequest(rid, messages))
+                yield (ChatRequest(rid, messages))
                 continue
-            batch.append(
+            yield (
                 ChatRequest(
                     rid,
                     messages,
@@ -268,9 +280,36 @@ class PartitionRun:
                     repair_attempts=self.spec.repair_attempts,
                 )
             )
-        return batch
+
+    def _identity(self, messages: list[dict[str, Any]]) -> str:
+        """request_identity of the body sent for these messages (the rest of the body is the
+        same for every row while the engine keeps its token parameter)."""
+        assert self._engine is not None
+        key = self._engine.token_param
+        if self._identities is None or self._identities[0] != key:
+            body = self._engine.request_body([])
+            del body["messages"]
+            self._identities = (
+                key,
+                MessagesIdentity(body, self.llm.base_url, self.llm.api_version),
+            )
+        return self._identities[1](messages)
+
+    def _done(self, chunk: list[dict[str, Any]]) -> dict[Any, str]:
+        if self._nothing_done:
+            return {}
+        ids = [r[self.spec.source.id_column] for r in chunk]
+        return self.db.done_hashes(self.spec.output, self.partition_key, ids)
 
     async def _requests(self) -> AsyncIterator[ChatRequest]:
+        if self._plain and getattr(self.db, "reads_on_loop", False):
+            # An embedded warehouse and a plain template: read and render on the loop.
+            chunks = self.db.read_slice(self.spec.source, self.where, self.spec.chunk_rows)
+            with contextlib.closing(chunks):
+                for chunk in chunks:
+                    for req in self._render(chunk, self._done(chunk)):
+                        yield req
+            return
         queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
         slots = threading.Semaphore(READ_AHEAD_CHUNKS)
         loop = asyncio.get_running_loop()
@@ -285,6 +324,8 @@ class PartitionRun:
                     return
                 if isinstance(batch, _ReaderFailed):
                     raise batch.exc
+                if isinstance(batch, tuple):
+                    batch = self._render(*batch)
                 for req in batch:
                     yield req
         finally:
@@ -318,22 +359,48 @@ class PartitionRun:
             }
         )
 
-    def _accept(self, writer: ChunkWriter) -> Any:
+    def _accept(self, writer: ChunkWriter, failed: asyncio.Future[BaseException]) -> Any:
+        """The workers' hook: each answer goes to the writer and the journal as it is parsed.
+        The journal's lines of one event-loop turn are written together at its end; a journal
+        that cannot be written fails the run at once (`failed`)."""
         journal = self.journal
         assert journal is not None
+        loop = asyncio.get_running_loop()
+        scheduled = False
+
+        def flush() -> None:
+            nonlocal scheduled
+            scheduled = False
+            try:
+                journal.flush()
+            except Exception as exc:
+                if not failed.done():
+                    failed.set_result(exc)
 
         def on_result(r: ChatResult) -> None:
+            nonlocal scheduled
+            if failed.done():
+                raise failed.result()
             row = self._row(r, datetime.now(UTC))
             writer.add(row)  # in memory first: a journal that fails loses nothing received
             journal.append(row)
+            if not scheduled:
+                scheduled = True
+                loop.call_soon(flush)
 
         return on_result
 
-    async def _consume(self, engine: Any, writer: ChunkWriter, started: float) -> None:
+    async def _consume(
+        self,
+        engine: Any,
+        writer: ChunkWriter,
+        started: float,
+        failed: asyncio.Future[BaseException],
+    ) -> None:
         last_log = started
         next_pct = 10
         self._engine = engine  # the reader hashes the exact body this engine sends
-        stream = engine.map(self._requests(), on_result=self._accept(writer))
+        stream = engine.map(self._requests(), on_result=self._accept(writer, failed))
         async with contextlib.aclosing(stream) as results:
             async for _ in results:
                 await writer.room()
@@ -356,11 +423,18 @@ class PartitionRun:
             max_rows=self.max_write_rows,
             before_write=self.lease.check,
         )
+        failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
-            consumer = asyncio.create_task(self._consume(engine, writer, started))
+            consumer = asyncio.create_task(self._consume(engine, writer, started, failed))
             writing = asyncio.create_task(writer.run())
             try:
-                await asyncio.wait({consumer, writing}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({consumer, writing, failed}, return_when=asyncio.FIRST_COMPLETED)
+                if failed.done():  # the journal cannot be written: stop sending now
+                    consumer.cancel()
+                    await writer.close()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(writing), 30)
+                    raise failed.result()
                 if writing.done():  # the writer only ends early when a write failed
                     raise self._write_failed(writing.exception())
                 if consumer.exception() is None:
@@ -378,6 +452,7 @@ class PartitionRun:
                     consumer.result()
             finally:
                 self._stop.set()
+                failed.cancel()
                 for task in (consumer, writing):
                     task.cancel()
                 await asyncio.gather(consumer, writing, return_exceptions=True)

@@ -40,7 +40,14 @@ def storable(value: Any) -> Any:
 
 
 def storable_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: storable(v) if k != "id" else v for k, v in row.items()}
+    """The row with every text and float value made storable (in place; the id is kept)."""
+    for k, v in row.items():
+        if isinstance(v, str):
+            if not v.isascii() and k != "id":
+                row[k] = storable(v)
+        elif isinstance(v, float) and k != "id":
+            row[k] = storable(v)
+    return row
 
 
 def unstorable(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:

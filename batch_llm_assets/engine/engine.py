@@ -141,6 +141,7 @@ class Engine:
         self.s = settings
         self.transport = transport
         self.limiter = limiter
+        self._feedback: set[asyncio.Task[None]] = set()
         self.breaker = Breaker(
             threshold=settings.breaker_threshold,
             fatal_threshold=settings.fatal_error_threshold,
@@ -414,7 +415,7 @@ class Engine:
                 continue
             ended = time.perf_counter()
             self.breaker.success()
-            await self._after_answer(estimate, max_tokens, resp)
+            self._feed_back(estimate, max_tokens, resp)
             prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
                 estimate, max_tokens, resp
             )
@@ -553,6 +554,26 @@ class Engine:
             )
         content = resp.content if isinstance(resp.content, str) else ""
         return estimate - max_tokens, count_text_tokens(content, self.s.model), True
+
+    def _feed_back(self, estimate: int, max_tokens: int, resp: ChatResponse) -> None:
+        """Start `_after_answer` beside the row, not before it: the answer goes to the caller
+        (the journal) at once, never after a wait on Redis. `drain` awaits what is left."""
+        if self.limiter is None:
+            return
+        task = asyncio.ensure_future(self._after_answer(estimate, max_tokens, resp))
+        self._feedback.add(task)
+        task.add_done_callback(self._feedback_done)
+
+    def _feedback_done(self, task: asyncio.Task[None]) -> None:
+        self._feedback.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.limiter is not None:
+            exc = task.exception()
+            self.limiter.warn("feedback", "Could not feed an answer back to the limiter: %r", exc)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) for the limiter feedback of answers already returned."""
+        if self._feedback:
+            await asyncio.wait(set(self._feedback), timeout=timeout_s)
 
     async def _after_answer(self, estimate: int, max_tokens: int, resp: ChatResponse) -> None:
         """Feed the provider's state back: its limit headers, and the reservation's error."""

@@ -15,7 +15,14 @@ from typing import Any
 
 
 def _normalise(value: Any) -> Any:
-    if isinstance(value, bool) or value is None or isinstance(value, str):
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is dict and all(type(v) is str for v in value.values()):
+        return (
+            value if all(type(k) is str for k in value) else {str(k): v for k, v in value.items()}
+        )
+    if isinstance(value, bool | str):
         return value
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer():
@@ -28,6 +35,12 @@ def _normalise(value: Any) -> Any:
     return value
 
 
+_DUMPS = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+).encode
+_HOLE = "\ue000messages\ue000"  # a private-use placeholder no body contains
+
+
 def request_identity(body: dict[str, Any], base_url: str, api_version: str | None = None) -> str:
     """sha256 (hex) of the request body and the endpoint it goes to; the key is not part of it."""
     doc = {
@@ -35,5 +48,29 @@ def request_identity(body: dict[str, Any], base_url: str, api_version: str | Non
         "endpoint": base_url.rstrip("/"),
         "api_version": api_version,
     }
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(_DUMPS(doc).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class MessagesIdentity:
+    """`request_identity` for bodies that differ only in their messages, at a third of the cost
+    (a partition run hashes every row): the rest of the document is encoded once, and sorted-key
+    JSON of the whole is the JSON of its parts, so the digest is the same."""
+
+    def __init__(self, body: dict[str, Any], base_url: str, api_version: str | None = None):
+        doc = {
+            "body": _normalise({**body, "messages": _HOLE}),
+            "endpoint": base_url.rstrip("/"),
+            "api_version": api_version,
+        }
+        text = _DUMPS(doc)
+        hole = _DUMPS(_HOLE)
+        if text.count(hole) != 1:
+            raise ValueError("the placeholder occurs in the request body")
+        head, tail = text.split(hole)
+        self._head, self._tail = head.encode(), tail.encode()
+
+    def __call__(self, messages: list[dict[str, Any]]) -> str:
+        h = hashlib.sha256(self._head)
+        h.update(_DUMPS(_normalise(messages)).encode("utf-8", "surrogatepass"))
+        h.update(self._tail)
+        return h.hexdigest()

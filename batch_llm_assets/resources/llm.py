@@ -269,6 +269,7 @@ class LLMResource(dg.ConfigurableResource):
         )
         client = None
         limiter = None
+        engine = None
         settings = self.engine_settings(model=model, params=params)
         if self.limited:
             if self.effective_redis_url is None:
@@ -290,8 +291,11 @@ class LLMResource(dg.ConfigurableResource):
             )
         try:
             await self._context_window(settings)
-            yield Engine(settings, transport, limiter)
+            engine = Engine(settings, transport, limiter)
+            yield engine
         finally:
+            if engine is not None:
+                await engine.drain()
             if limiter is not None:
                 await limiter.release()
             if client is not None:

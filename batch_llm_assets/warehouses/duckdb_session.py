@@ -65,6 +65,7 @@ def _qt(table: str) -> str:
 
 class DuckDBSession(WarehouseSession):
     write_interval_s = 1.0
+    reads_on_loop = True
 
     def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
         self.conn = conn

@@ -133,9 +133,11 @@ async def open_parts(settings: WorkerSettings) -> AsyncIterator[WorkerParts]:
         visibility_ms=int(settings.visibility_timeout_s * 1000),
         result_ttl_s=settings.result_ttl_s,
     )
+    engine = Engine(settings.engine_settings(), transport, limiter)
     try:
-        yield WorkerParts(Engine(settings.engine_settings(), transport, limiter), queue, metrics)
+        yield WorkerParts(engine, queue, metrics)
     finally:
+        await engine.drain()
         if limiter is not None:
             await limiter.release()
         await transport.aclose()
