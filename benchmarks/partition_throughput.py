@@ -4,8 +4,9 @@ One daily partition of N rows (default 20,000) goes through the batch asset agai
 (its own process, limits off, no latency), with every chunk write taking `--write-latency-s`
 longer (a BigQuery MERGE is a job of 1-5 s; injected by wrapping the DuckDB session). The same
 requests also go through the bare engine (`LLMResource.chat_batch`, no warehouse) in the same
-run. rows_per_s is the partition run's (from opening the warehouse session to closing it:
-preflight, reads, sends, writes); prints one JSON line last.
+run, in interleaved rounds (`--rounds`, default 3; the best of each is reported, as
+overhead.py does). rows_per_s is the partition run's (from opening the warehouse session to
+closing it: preflight, reads, sends, writes); prints one JSON line last.
 
     python benchmarks/partition_throughput.py --write-latency-s 0
     python benchmarks/partition_throughput.py --write-latency-s 2
@@ -92,27 +93,53 @@ def engine_rate(llm: LLMResource, db: str) -> float:
     return len(reqs) / wall
 
 
+def partition_rate(llm: LLMResource, db: str, args: argparse.Namespace, round_: int) -> float:
+    """One run of the partition through the asset, into its own output table."""
+    asset = build_llm_batch_asset(
+        name=f"bench{round_}",
+        source=SourceTable(table="headlines", partition_column="published_at"),
+        prompt=Prompt(template=TEMPLATE),
+        output=f"bench_out_{round_}",
+        params=PARAMS,
+        partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01"),
+        chunk_rows=args.chunk_rows,
+    )
+    result = dg.materialize(
+        [asset],
+        resources={
+            "llm": llm,
+            "warehouse": SlowDuckDBWarehouse(database=db, write_latency_s=args.write_latency_s),
+        },
+        partition_key="2026-11-01",
+        raise_on_error=True,
+    )
+    ok = result.asset_materializations_for_node(f"bench{round_}")[0].metadata["run/rows_ok"].value
+    if ok != args.rows:
+        raise SystemExit(f"only {ok} of {args.rows} rows ok")
+    return args.rows / (SPAN[1] - SPAN[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--write-latency-s", type=float, default=0.0)
     ap.add_argument("--chunk-rows", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of engine and asset; the best of each is reported (the "
+        "machine's drift and steal time only ever slow a round down)",
+    )
     args = ap.parse_args()
 
+    engine_rates: list[float] = []
+    rates: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("BATCH_LLM_JOURNAL_DIR", os.path.join(tmp, "journal"))
         db = os.path.join(tmp, "bench.duckdb")
         make_table(db, args.rows)
-        asset = build_llm_batch_asset(
-            name="bench",
-            source=SourceTable(table="headlines", partition_column="published_at"),
-            prompt=Prompt(template=TEMPLATE),
-            output="bench_out",
-            params=PARAMS,
-            partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01"),
-            chunk_rows=args.chunk_rows,
-        )
         with SimulatorProcess(latency_ms=0, latency_per_token_ms=0, jitter=0) as sim:
             llm = LLMResource(
                 base_url=sim.url,
@@ -120,23 +147,10 @@ def main() -> None:
                 params=PARAMS,
                 max_concurrency=args.concurrency,
             )
-            engine_rows_per_s = engine_rate(llm, db)
-            result = dg.materialize(
-                [asset],
-                resources={
-                    "llm": llm,
-                    "warehouse": SlowDuckDBWarehouse(
-                        database=db, write_latency_s=args.write_latency_s
-                    ),
-                },
-                partition_key="2026-11-01",
-                raise_on_error=True,
-            )
-        md = result.asset_materializations_for_node("bench")[0].metadata
-        ok = md["run/rows_ok"].value
-    if ok != args.rows:
-        raise SystemExit(f"only {ok} of {args.rows} rows ok")
-    rows_per_s = args.rows / (SPAN[1] - SPAN[0])
+            for round_ in range(args.rounds):
+                engine_rates.append(engine_rate(llm, db))
+                rates.append(partition_rate(llm, db, args, round_))
+    rows_per_s, engine_rows_per_s = max(rates), max(engine_rates)
     print(
         json.dumps(
             {
@@ -145,6 +159,9 @@ def main() -> None:
                 "engine_rows_per_s": round(engine_rows_per_s, 1),
                 "ratio_to_engine": round(rows_per_s / engine_rows_per_s, 3),
                 "write_latency_s": args.write_latency_s,
+                "rounds": args.rounds,
+                "rows_per_s_rounds": [round(r, 1) for r in rates],
+                "engine_rows_per_s_rounds": [round(r, 1) for r in engine_rates],
             }
         )
     )

@@ -42,11 +42,13 @@ from .writer import (
     DEFAULT_MAX_WRITE_ROWS,
     DEFAULT_WRITE_INTERVAL_S,
     ChunkWriter,
+    storable,
     storable_row,
     write_storable,
 )
 
 PROGRESS_EVERY_S = 30.0
+_TEXT_FIELDS = ("response", "error", "finish_reason", "refusal", "model")
 READ_AHEAD_CHUNKS = 2
 
 
@@ -293,7 +295,7 @@ class PartitionRun:
                 key,
                 MessagesIdentity(body, self.llm.base_url, self.llm.api_version),
             )
-        return self._identities[1](messages)
+        return self._identities[1](messages, text_only=True)  # rendered: role and content
 
     def _done(self, chunk: list[dict[str, Any]]) -> dict[Any, str]:
         if self._nothing_done:
@@ -336,28 +338,33 @@ class PartitionRun:
         cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens, cached=r.cached_tokens)
         self.stats.add(r, cost)
         self.served_model = served_model(self.model, r.model, self.served_model, self.log)
-        return storable_row(
-            {
-                "id": r.id,
-                "partition_key": self.partition_key,
-                "response": r.response,
-                "status": r.status,
-                "error_class": r.error_class,
-                "error": redact(r.error_message, self.llm.api_key) if r.error_message else None,
-                "finish_reason": r.finish_reason,
-                "refusal": r.refusal,
-                "model": r.model or self.model,
-                "prompt_tokens": r.prompt_tokens,
-                "completion_tokens": r.completion_tokens,
-                "cost_usd": cost,
-                "latency_ms": r.latency_ms,
-                "total_ms": r.total_ms,
-                "attempts": r.attempts,
-                "request_hash": self._hashes.pop(r.id, None),
-                "completed_at": now,
-                **(self.typed.result_values(r.ok, r.response) if self.typed else {}),
-            }
-        )
+        row = {
+            "id": r.id,
+            "partition_key": self.partition_key,
+            "response": r.response,
+            "status": r.status,
+            "error_class": r.error_class,
+            "error": redact(r.error_message, self.llm.api_key) if r.error_message else None,
+            "finish_reason": r.finish_reason,
+            "refusal": r.refusal,
+            "model": r.model or self.model,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cost_usd": cost,
+            "latency_ms": r.latency_ms,
+            "total_ms": r.total_ms,
+            "attempts": r.attempts,
+            "request_hash": self._hashes.pop(r.id, None),
+            "completed_at": now,
+        }
+        # Only text the provider sent (or our error text) can be unstorable; counts are ints.
+        for k in _TEXT_FIELDS:
+            v = row[k]
+            if v is not None and (type(v) is not str or not v.isascii()):
+                row[k] = storable(v)
+        if self.typed:
+            row.update(storable_row(self.typed.result_values(r.ok, r.response)))
+        return row
 
     def _accept(self, writer: ChunkWriter, failed: asyncio.Future[BaseException]) -> Any:
         """The workers' hook: each answer goes to the writer and the journal as it is parsed.

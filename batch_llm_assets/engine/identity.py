@@ -69,8 +69,11 @@ class MessagesIdentity:
         head, tail = text.split(hole)
         self._head, self._tail = head.encode(), tail.encode()
 
-    def __call__(self, messages: list[dict[str, Any]]) -> str:
+    def __call__(self, messages: list[dict[str, Any]], *, text_only: bool = False) -> str:
+        """`text_only`: every key and value of the messages is a str (rendered prompts), so
+        there is nothing to normalise."""
         h = hashlib.sha256(self._head)
-        h.update(_DUMPS(_normalise(messages)).encode("utf-8", "surrogatepass"))
+        doc = messages if text_only else _normalise(messages)
+        h.update(_DUMPS(doc).encode("utf-8", "surrogatepass"))
         h.update(self._tail)
         return h.hexdigest()
