@@ -20,7 +20,7 @@ from .journal import default_journal_dir, journal_key
 from .lease import partition_lease
 from .metadata import build_metadata
 from .pipeline import RunSpec, RunStats
-from .pricing import cost_usd, price_for
+from .pricing import cost_usd, price_for_resource
 from .structured import OutputSchema, field_check_results, field_quality, quality_metadata
 
 if TYPE_CHECKING:
@@ -53,15 +53,7 @@ class BatchRows:
         typed: OutputSchema | None = None,
     ) -> None:
         self.typed = typed
-        price = price_for(
-            model,
-            input_override=llm.price_input_per_1m,
-            output_override=llm.price_output_per_1m,
-            cached_input_override=llm.price_cached_input_per_1m,
-            base_url=llm.base_url,
-            provider=getattr(llm, "provider", None),
-            batch=True,
-        )
+        price = price_for_resource(llm, model, batch=True)
         if price is not None and price.source == "configured":
             # Configured prices are the live ones; the library's batch prices need no factor.
             price = dataclasses.replace(

@@ -35,7 +35,7 @@ from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
-from .pricing import cost_usd, price_for, served_model
+from .pricing import cost_usd, price_for_resource, served_model
 from .prompt import CompiledPrompt
 from .structured import OutputSchema
 from .writer import (
@@ -143,15 +143,7 @@ class PartitionRun:
         self.lease_ttl_s = lease_ttl_s
         self.max_write_rows = max(max_write_rows, spec.chunk_rows)
         self.model = spec.model or llm.model
-        self.price = price_for(
-            self.model,
-            input_override=llm.price_input_per_1m,
-            output_override=llm.price_output_per_1m,
-            cached_input_override=llm.price_cached_input_per_1m,
-            base_url=llm.base_url,
-            provider=getattr(llm, "provider", None),
-            logger=log,
-        )
+        self.price = price_for_resource(llm, self.model, logger=log)
         self.served_model: str | None = None
         self._engine: Engine | None = None
         window = llm.engine_settings(model=spec.model, params=spec.params).context_window

@@ -75,6 +75,22 @@ def _library_rates(model: str, provider_id: str | None, batch: bool) -> tuple[fl
     return tuple(rates)
 
 
+def price_for_resource(
+    llm: Any, model: str, *, batch: bool = False, logger: Any = None
+) -> Price | None:
+    """`price_for` with an LLMResource's price overrides, endpoint and provider."""
+    return price_for(
+        model,
+        input_override=llm.price_input_per_1m,
+        output_override=llm.price_output_per_1m,
+        cached_input_override=llm.price_cached_input_per_1m,
+        base_url=llm.base_url,
+        provider=getattr(llm, "provider", None),
+        batch=batch,
+        logger=logger,
+    )
+
+
 def price_for(
     model: str,
     *,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from . import errors as E
+from .profiles import detect_provider
 
 if TYPE_CHECKING:
     from .engine import ChatRequest, ChatResult
@@ -39,27 +40,17 @@ _REJECTION = re.compile(
 def provider_kind(
     base_url: str, *, api_version: str | None = None, provider: str | None = None
 ) -> str:
-    """The provider's kind from its URL. A stand-in until provider profiles choose it; an
-    explicit `provider` (a profile's name) wins."""
+    """The structured-output form to ask in: the provider profile's name (profiles.py: an
+    explicit `provider` wins, else the URL), except Ollama, which shares llama.cpp's profile
+    but has a form of its own."""
     if provider:
         name = re.sub(r"[^a-z]", "", provider.lower())
         name = {"azureopenai": "azure", "llama": "llamacpp"}.get(name, name)
         return name if name in KINDS else "generic"
     url = urlparse(base_url)
-    host = (url.hostname or "").lower()
-    if api_version or host.endswith((".openai.azure.com", ".cognitiveservices.azure.com")):
-        return "azure"
-    if host == "api.openai.com":
-        return "openai"
-    if host == "generativelanguage.googleapis.com":
-        return "gemini"
-    if url.port == 11434 or "ollama" in host:
+    if url.port == 11434 or "ollama" in (url.hostname or "").lower():
         return "ollama"
-    if "vllm" in host or "llm-d" in host:
-        return "vllm"
-    if "llama" in host:
-        return "llamacpp"
-    return "generic"
+    return detect_provider(base_url, api_version=api_version)
 
 
 def shape_request(
