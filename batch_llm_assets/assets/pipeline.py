@@ -1,8 +1,8 @@
 """One partition run, flowing one way: reader -> render -> engine workers -> journal -> writer.
 
     reader           chunks of the slice, skip-done lookup, render (bounded)  -> requests
-                     (on the event loop for an embedded warehouse and a plain template,
-                     else a thread that stays a bounded number of chunks ahead)
+                     (reader.py: on the event loop for an embedded warehouse and a plain
+                     template, else a thread that stays a bounded number of chunks ahead)
     engine workers   acquire, send, parse; the journal gets each answer at once (on_result,
                      written to the OS at the end of the loop's turn)
     consumer         counts and logs progress; never waits for a write
@@ -17,26 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ..engine import errors as E
-from ..engine.engine import ChatRequest, ChatResult, Engine
+from ..engine.engine import ChatResult
 from ..engine.errors import redact
-from ..engine.identity import MessagesIdentity, request_identity
-from ..engine.structured import provider_kind, validator
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
 from .pricing import cost_usd, price_for_resource, served_model
 from .prompt import CompiledPrompt
+from .reader import SliceReader
 from .structured import OutputSchema
 from .writer import (
     DEFAULT_MAX_WRITE_ROWS,
@@ -49,7 +46,6 @@ from .writer import (
 
 PROGRESS_EVERY_S = 30.0
 _TEXT_FIELDS = ("response", "error", "finish_reason", "refusal", "model")
-READ_AHEAD_CHUNKS = 2
 
 
 @dataclass
@@ -101,20 +97,6 @@ class RunSpec:
     repair_attempts: int = 1
 
 
-class _ReaderFailed:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class _Stopped(Exception):
-    pass
-
-
-_END = object()
-
-
 class PartitionRun:
     """Runs one partition. Rows are durable as they arrive; ok rows with the same hash are skipped."""
 
@@ -145,7 +127,6 @@ class PartitionRun:
         self.model = spec.model or llm.model
         self.price = price_for_resource(llm, self.model, logger=log)
         self.served_model: str | None = None
-        self._engine: Engine | None = None
         window = llm.engine_settings(model=spec.model, params=spec.params).context_window
         self.max_prompt_chars = spec.prompt.max_chars_for(window)
         self.stats = RunStats(cost_usd=0.0 if self.price is not None else None)
@@ -153,15 +134,9 @@ class PartitionRun:
         self.journal_dir = journal_dir or default_journal_dir()
         self.journal: ResultJournal | None = None
         self.lease: PartitionLease | None = None
-        self._hashes: dict[Any, str] = {}
-        self._nothing_done = False
-        self._identities: tuple[str, MessagesIdentity] | None = None
-        self._plain = spec.prompt.plain
-        self._stop = threading.Event()
         self.typed = spec.output_schema
-        # Typed outputs: the provider's form of structured output.
-        self.provider_kind = provider_kind(
-            llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
+        self.reader = SliceReader(
+            spec, llm, session, where, partition_key, self.stats, self.max_prompt_chars
         )
 
     # -- checks before any request ---------------------------------------------------------
@@ -197,133 +172,9 @@ class PartitionRun:
         self.journal.clear()
         # A partition with no output rows yet (the first run, the common case) has nothing to
         # skip: the reader then spares the warehouse a lookup per chunk (a query each on BigQuery).
-        self._nothing_done = self.db.count_output(self.spec.output.name, self.partition_key) == 0
-
-    # -- the reader thread -------------------------------------------------------------------
-    def _read(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        queue: asyncio.Queue[Any],
-        slots: threading.Semaphore,
-    ) -> None:
-        """Chunks of the slice -> skip done rows -> render; off the event loop, bounded ahead."""
-
-        def put(item: Any) -> None:
-            while not slots.acquire(timeout=0.2):
-                if self._stop.is_set():
-                    raise _Stopped
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the run's loop is closed: it ended without us
-                raise _Stopped from None
-
-        src = self.spec.source
-        try:
-            chunks = self.db.read_slice(src, self.where, self.spec.chunk_rows)
-            with contextlib.closing(chunks):
-                for chunk in chunks:
-                    if self._stop.is_set():
-                        return
-                    done = self._done(chunk)
-                    # A plain template renders on the event loop as rows are pulled (no GIL
-                    # contention with this thread); any other one here, off the loop.
-                    put((chunk, done) if self._plain else list(self._render(chunk, done)))
-            put(_END)
-        except _Stopped:
-            return
-        except BaseException as exc:  # handed to the event loop, raised there
-            with contextlib.suppress(_Stopped):
-                put(_ReaderFailed(exc))
-
-    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> Iterator[ChatRequest]:
-        id_column = self.spec.source.id_column
-        for row in chunk:
-            if self._stop.is_set():
-                raise _Stopped
-            rid = row[id_column]
-            messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-            if problem is not None:
-                yield (ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent")))
-                continue
-            assert self._engine is not None
-            params, messages = (
-                self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
-            )
-            # The exact body, structured params (the schema) included: a changed schema re-runs.
-            if params is None:
-                h = self._identity(messages)
-            else:
-                h = request_identity(
-                    self._engine.request_body(messages, params),
-                    self.llm.base_url,
-                    self.llm.api_version,
-                )
-            if done.get(rid) == h:
-                self.stats.skipped += 1
-                continue
-            self._hashes[rid] = h
-            if self.typed is None:
-                yield (ChatRequest(rid, messages))
-                continue
-            yield (
-                ChatRequest(
-                    rid,
-                    messages,
-                    params=params,
-                    validate=validator(self.typed.parse),
-                    repair_attempts=self.spec.repair_attempts,
-                )
-            )
-
-    def _identity(self, messages: list[dict[str, Any]]) -> str:
-        """request_identity of the body sent for these messages (the rest of the body is the
-        same for every row while the engine keeps its token parameter)."""
-        assert self._engine is not None
-        key = self._engine.token_param
-        if self._identities is None or self._identities[0] != key:
-            body = self._engine.request_body([])
-            del body["messages"]
-            self._identities = (
-                key,
-                MessagesIdentity(body, self.llm.base_url, self.llm.api_version),
-            )
-        return self._identities[1](messages, text_only=True)  # rendered: role and content
-
-    def _done(self, chunk: list[dict[str, Any]]) -> dict[Any, str]:
-        if self._nothing_done:
-            return {}
-        ids = [r[self.spec.source.id_column] for r in chunk]
-        return self.db.done_hashes(self.spec.output, self.partition_key, ids)
-
-    async def _requests(self) -> AsyncIterator[ChatRequest]:
-        if self._plain and getattr(self.db, "reads_on_loop", False):
-            # An embedded warehouse and a plain template: read and render on the loop.
-            chunks = self.db.read_slice(self.spec.source, self.where, self.spec.chunk_rows)
-            with contextlib.closing(chunks):
-                for chunk in chunks:
-                    for req in self._render(chunk, self._done(chunk)):
-                        yield req
-            return
-        queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
-        slots = threading.Semaphore(READ_AHEAD_CHUNKS)
-        loop = asyncio.get_running_loop()
-        # A daemon thread, not the default executor: a run that is stopping never waits for it.
-        reader = threading.Thread(target=self._read, args=(loop, queue, slots), daemon=True)
-        reader.start()
-        try:
-            while True:
-                batch = await queue.get()
-                slots.release()
-                if batch is _END:
-                    return
-                if isinstance(batch, _ReaderFailed):
-                    raise batch.exc
-                if isinstance(batch, tuple):
-                    batch = self._render(*batch)
-                for req in batch:
-                    yield req
-        finally:
-            self._stop.set()
+        self.reader.nothing_done = (
+            self.db.count_output(self.spec.output.name, self.partition_key) == 0
+        )
 
     # -- answers -----------------------------------------------------------------------------
     def _row(self, r: ChatResult, now: datetime) -> dict[str, Any]:
@@ -346,7 +197,7 @@ class PartitionRun:
             "latency_ms": r.latency_ms,
             "total_ms": r.total_ms,
             "attempts": r.attempts,
-            "request_hash": self._hashes.pop(r.id, None),
+            "request_hash": self.reader.hashes.pop(r.id, None),
             "completed_at": now,
         }
         # Only text the provider sent (or our error text) can be unstorable; counts are ints.
@@ -398,8 +249,8 @@ class PartitionRun:
     ) -> None:
         last_log = started
         next_pct = 10
-        self._engine = engine  # the reader hashes the exact body this engine sends
-        stream = engine.map(self._requests(), on_result=self._accept(writer, failed))
+        # The reader hashes the exact body this engine sends.
+        stream = engine.map(self.reader.requests(engine), on_result=self._accept(writer, failed))
         async with contextlib.aclosing(stream) as results:
             async for _ in results:
                 await writer.room()
@@ -450,7 +301,7 @@ class PartitionRun:
                         await asyncio.wait_for(asyncio.shield(writing), 30)
                     consumer.result()
             finally:
-                self._stop.set()
+                self.reader.stop()
                 failed.cancel()
                 for task in (consumer, writing):
                     task.cancel()
