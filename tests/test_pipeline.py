@@ -638,3 +638,39 @@ def test_an_answer_reaches_the_journal_hook_before_the_limiter_hears_of_it(fresh
     results = asyncio.run(run())
     assert [r.status for r in results] == ["ok"]
     assert seen and pause_ends and seen[0] < pause_ends[0] - 2.0
+
+
+def test_the_final_write_follows_the_last_answer_instead_of_queueing(tmp_path):
+    """When the last answers are due within one write's duration, the writer waits for them
+    rather than start a write that the final one would queue behind (a BigQuery MERGE takes
+    seconds): the final write starts with the last answer and carries every remaining row."""
+    from batch_llm_assets.assets.writer import ChunkWriter
+
+    journal = ResultJournal(tmp_path, "scope", "pk")
+    starts: list[tuple[float, int]] = []
+
+    def write(rows):
+        starts.append((time.monotonic(), len(rows)))
+        time.sleep(0.5)
+
+    eta: list[float | None] = [None]
+
+    async def main() -> float:
+        writer = ChunkWriter(write, journal, interval_s=0.1, last_answer_eta=lambda: eta[0])
+        task = asyncio.create_task(writer.run())
+        for i in range(10):
+            writer.add({"id": i})
+        await asyncio.sleep(0.7)  # the first write (0.5 s) is done: its duration is known
+        eta[0] = 0.3  # the remaining answers are due within one write's duration
+        for i in range(10, 20):
+            writer.add({"id": i})
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        last_answer = time.monotonic()
+        await writer.close()
+        await task
+        return last_answer
+
+    last_answer = asyncio.run(main())
+    assert [n for _, n in starts] == [10, 10]  # nothing written in between
+    assert starts[-1][0] >= last_answer

@@ -274,6 +274,7 @@ class PartitionRun:
             interval_s=getattr(self.db, "write_interval_s", DEFAULT_WRITE_INTERVAL_S),
             max_rows=self.max_write_rows,
             before_write=self.lease.check,
+            last_answer_eta=lambda: self._last_answer_eta(started),
         )
         failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
@@ -310,6 +311,15 @@ class PartitionRun:
                 await asyncio.gather(consumer, writing, return_exceptions=True)
         self.journal.clear()  # everything is in the warehouse now
         self.stats.wall_s = time.monotonic() - started
+
+    def _last_answer_eta(self, started: float) -> float | None:
+        """Seconds until the last answer at the rate so far (None before there is one)."""
+        done = self.stats.ok + self.stats.failed
+        left = self.stats.rows_in - self.stats.processed
+        elapsed = time.monotonic() - started
+        if done < 1 or left <= 0 or elapsed <= 0:
+            return None
+        return left / (done / elapsed)
 
     def _write_failed(self, exc: BaseException | None) -> BaseException:
         if exc is None or isinstance(exc, E.BatchLLMError):
