@@ -252,7 +252,9 @@ class RedisLimiter:
         while True:
             res = await self._call("acquire", tokens, ticket)
             granted, wait_us, factor, share, active = res[:5]
-            slot = int(res[5]) if len(res) > 5 else 0
+            # A grant's sixth value is its send time; a deferral's, the ticket: the time its
+            # job reserved for it on the limiter's virtual clock.
+            slot = int(res[5]) if granted and len(res) > 5 else 0
             grant = Grant(
                 wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot
             )
@@ -261,7 +263,7 @@ class RedisLimiter:
                 return grant
             # Over our share while the bucket is saturated: our slot is reserved; come back then.
             await asyncio.sleep(grant.wait_s)
-            ticket = 1
+            ticket = int(res[5]) if len(res) > 5 else 1
 
     async def reconcile(self, tokens_delta: float, requests_delta: float = 0) -> None:
         """Charge (positive) or refund (negative) the difference from the reservation."""
