@@ -10,8 +10,7 @@
 -- is deferred: it gets a ticket (its own slot is reserved) and a wait, and then acquires again
 -- with the ticket, taking the next shared slot. When not saturated any job may use the slack.
 -- A job's use (for lending what idle jobs leave) counts its reservations, deferred ones too, so
--- a job whose requests all wait for its own schedule is not taken for idle; a newly leased job
--- starts at its weighted share for the same reason. A refunded request keeps its reservation in
+-- a job whose requests all wait for its own schedule is not taken for idle. A refunded request keeps its reservation in
 -- its job's schedule as a credit, spent by the job's next acquire (which then skips its own
 -- schedule like a ticket): pulling the job's schedule back instead would hand the same slot to
 -- every request that refunds and acquires again, and they would all go at once.
@@ -154,7 +153,7 @@ local function share_of()
       total = total + w
     end
   end
-  if #jobs <= 1 or total <= 0 then return 1, #members, total end
+  if #jobs <= 1 or total <= 0 then return 1, #members end
   table.sort(jobs, function(a, b) return a[3] / a[2] < b[3] / b[2] end)
   local remaining, wleft = 1, total
   for i = 1, #jobs do
@@ -165,13 +164,13 @@ local function share_of()
     remaining = remaining - u
     wleft = wleft - w
   end
-  return math.max(weight / total, math.max(remaining, 0) * weight / wleft), #members, total
+  return math.max(weight / total, math.max(remaining, 0) * weight / wleft), #members
 end
 
--- Count a reservation in this job's recent use (`at_least`: a floor, as a fraction).
-local function note_usage(cost_ms, at_least)
+-- Count a reservation (granted or deferred) in this job's recent use.
+local function note_usage(cost_ms)
   local v = redis.call('HMGET', KEYS[3], 'u:' .. job, 't:' .. job)
-  local u = math.max(usage_now(tonumber(v[1]), tonumber(v[2])), at_least) + cost_ms / tau
+  local u = usage_now(tonumber(v[1]), tonumber(v[2])) + cost_ms / tau
   redis.call('HSET', KEYS[3], 'u:' .. job, u, 't:' .. job, now)
 end
 
@@ -280,12 +279,10 @@ end
 
 -- acquire
 redis.call('ZADD', KEYS[2], now + lease_ms, job)
-local leased = redis.call('HSET', KEYS[3], 'w:' .. job, weight) == 1
+redis.call('HSET', KEYS[3], 'w:' .. job, weight)
 redis.call('PEXPIRE', KEYS[2], lease_ms * 4)
 redis.call('PEXPIRE', KEYS[3], lease_ms * 4)
-local share, active, wtotal = share_of()
--- A job just leased presumes to want its weighted share until its use shows otherwise.
-local use_floor = (leased and wtotal > 0) and weight / wtotal or 0
+local share, active = share_of()
 -- A request refunded earlier left its job's reservation as a credit: this acquire spends it
 -- and takes the next shared slot, as a ticket does.
 if extra == 0 and share < 1 then
@@ -335,7 +332,7 @@ if share < 1 and extra == 0 then
       redis.call('HSET', KEYS[4], 'vr', jtr, 'vk', jtt, 'share', share)
       keep(KEYS[4], now + (math.max(jtr, jtt) - v) / factor)
       redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
-      note_usage(math.max(cr, ct), use_floor)
+      note_usage(math.max(cr, ct))
       return {0, math.ceil(wall_until(js) * 1000), math.floor(factor * 1e6),
               math.floor(share * 1e6), active, math.max(2, math.floor(js))}
     end
@@ -354,7 +351,7 @@ end
 
 if rr > 0 then tr = math.max(tr, s) + cr end
 if rt > 0 then tt = math.max(tt, s) + ct end
-if extra == 0 then note_usage(math.max(cr, ct), use_floor) end
+if extra == 0 then note_usage(math.max(cr, ct)) end
 save_state()
 return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active,
         math.floor(s)}
