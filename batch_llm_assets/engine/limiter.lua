@@ -9,11 +9,13 @@
 -- a job also runs its own GCRA at rate * weight / sum(active weights); a job ahead of its share
 -- is deferred: it gets a ticket (its own slot is reserved) and a wait, and then acquires again
 -- with the ticket, taking the next shared slot. When not saturated any job may use the slack.
--- A job's use (for lending what idle jobs leave) counts its reservations, deferred ones too, so
--- a job whose requests all wait for its own schedule is not taken for idle. A refunded request keeps its reservation in
--- its job's schedule as a credit, spent by the job's next acquire (which then skips its own
--- schedule like a ticket): pulling the job's schedule back instead would hand the same slot to
--- every request that refunds and acquires again, and they would all go at once.
+-- Jobs' own schedules run on a virtual clock that advances with the rate factor (see `v`).
+-- A job's use (for lending what idle jobs leave) counts its reservations, deferred ones too,
+-- so a job whose requests all wait on its own schedule is not taken for idle. A refunded
+-- request keeps its reservation in its job's schedule as a credit, spent by the job's next
+-- acquire (which then skips its own schedule like a ticket): pulling the job's schedule back
+-- instead hands the same time to every request that refunds and acquires again, and they all
+-- go at once.
 --
 -- Adaptive: a 429 that got through multiplies the rate by `decrease` once per overload event
 -- (a 429 on a slot granted before the last decrease is the same event) and empties the burst,
