@@ -67,8 +67,8 @@ local arg15 = tonumber(ARGV[15]) or 0
 local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
 local burst_cap = tonumber(ARGV[19]) or burst
 
-local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb',
-  'v', 'vt')
+local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb')
+local vst = redis.call('HMGET', KEYS[1], 'v', 'vt')
 local tr = tonumber(st[1]) or 0
 local tt = tonumber(st[2]) or 0
 if not st[1] and not st[2] and ahead > 0 then
@@ -84,7 +84,7 @@ local dec = tonumber(st[6]) or 0
 local fr = tonumber(st[8]) or 1
 local lb = tonumber(st[9]) or 0
 local ts = tonumber(st[7])
-local vt = tonumber(st[11]) or now
+local vt = tonumber(vst[2]) or now
 if ts and now < ts then
   -- Redis TIME stepped back: shift every stored time by the step.
   local step = ts - now
@@ -113,7 +113,7 @@ local burst_ms = math.max(burst, math.min(lb, burst_cap))
 -- of the bucket's capacity whatever the rate does meanwhile (recovery or a 429's decrease).
 -- On wall time, the job with the longer queue of its own (the lighter weight) would keep the
 -- rate of when it reserved: under its share while the rate recovers, over it after a decrease.
-local v = (tonumber(st[10]) or now) + math.max(0, now - math.max(vt, math.min(pause, now))) * factor
+local v = (tonumber(vst[1]) or now) + math.max(0, now - math.max(vt, math.min(pause, now))) * factor
 -- Emission rates per ms; 0 means the dimension is not limited.
 local rr = rpm * factor / 60000
 local rt = tpm * factor / 60000
@@ -124,7 +124,8 @@ end
 
 local function save_state()
   redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec,
-    'ts', now, 'fr', fr, 'lb', lb, 'v', v, 'vt', now)
+    'ts', now, 'fr', fr, 'lb', lb)
+  redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
   keep(KEYS[1], math.max(tr, tt, pause))
 end
 
