@@ -101,8 +101,17 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
         tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(batch())]
         await asyncio.sleep(args.warmup)
         w0, b0 = await client.llen(queues.result_list), batch_ok
-        await asyncio.sleep(args.seconds)
-        w1, b1 = await client.llen(queues.result_list), batch_ok
+        # Answers per second of the window, per job: a share that drifts or comes in bursts
+        # shows here, where the window's totals would hide it.
+        per_s: dict[str, list[int]] = {"worker": [], "batch": []}
+        wp, bp, end = w0, b0, time.monotonic() + args.seconds
+        while (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(1.0, left))
+            wn, bn = await client.llen(queues.result_list), batch_ok
+            per_s["worker"].append(wn - wp)
+            per_s["batch"].append(bn - bp)
+            wp, bp = wn, bn
+        w1, b1 = wp, bp
         tasks[1].cancel()
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -121,6 +130,7 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
         "worker_share_expected": round(want, 3),
         "share_error": {k: round(v, 3) for k, v in errors.items()},
         "utilization": round((w + b) / (args.rpm / 60 * args.seconds), 3),
+        "per_second": per_s,
     }
 
 

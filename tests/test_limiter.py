@@ -155,6 +155,62 @@ def test_weighted_shares_hold_under_saturation(redis_url, namespace):
     assert tokens(heavy) + tokens(light) >= 0.9 * 5000 * (hi - lo)
 
 
+def test_weighted_shares_hold_while_the_rate_recovers(redis_url, namespace):
+    """Jobs queue on their own schedules for seconds ahead (the lighter one longer): those
+    reservations must come due by the bucket's capacity since, not by the rate of when they
+    were made, or the lighter job falls behind while the rate recovers from a 429."""
+    settings = {"rpm": 1200, "tpm": None, "burst_s": 0.2, "recovery_per_s": 0.15}
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, **settings)
+        await lim.acquire(0)
+        await lim.penalize(retry_after_s=None)  # 0.7 of the rate, back to full in ~2 s
+        await client.aclose()
+        return await asyncio.gather(
+            _hammer(redis_url, namespace, 6.0, 16, settings, job="light", weight=1.0, seed=1),
+            _hammer(redis_url, namespace, 6.0, 16, settings, job="heavy", weight=2.0, seed=2),
+        )
+
+    light, heavy = asyncio.run(main())
+    start = min(t for t, _ in light + heavy)
+    lo, hi = start + 1.5, start + 6.0  # the queues are built; the rate recovers within it
+
+    def sends(job):
+        return sum(1 for t, _ in job if lo <= t < hi)
+
+    share = sends(light) / (sends(light) + sends(heavy))
+    assert abs(share / (1 / 3) - 1) < 0.1, share
+
+
+def test_a_refunded_request_keeps_its_jobs_place(redis_url, namespace):
+    """A refund gives back the shared slot and leaves the job's own reservation as a credit:
+    the request taken again goes next, instead of every refunded request landing on the same
+    reserved time of its job (and all going at once)."""
+    settings = {"rpm": 600, "tpm": None, "burst_s": 0.1}
+
+    async def main():
+        _, other = _limiter(redis_url, namespace, job="other", **settings)
+        client, lim = _limiter(redis_url, namespace, job="job", **settings)
+        await other.acquire(0)
+        for _ in range(30):  # the other job keeps the bucket saturated and is not idle
+            await other.acquire(0, deadline=time.monotonic())
+        grants = [await lim.acquire(0, deadline=time.monotonic()) for _ in range(8)]
+        deferred = [g for g in grants if not g.granted]
+        assert deferred and all(g.share == pytest.approx(0.5) for g in grants)
+        granted = [g for g in grants if g.granted]
+        for _ in granted:
+            await lim.reconcile(0, -1)
+        again = [await lim.acquire(0, deadline=time.monotonic()) for _ in granted]
+        assert all(g.granted for g in again)  # the credits, spent: no second reservation
+        # ... and the job's own schedule did not move back: the next is deferred past the last.
+        nxt = await lim.acquire(0, deadline=time.monotonic())
+        assert not nxt.granted and nxt.wait_s > max(g.wait_s for g in deferred)
+        await client.aclose()
+        await other._redis.aclose()
+
+    asyncio.run(main())
+
+
 def test_idle_job_leaves_its_share_as_slack(redis_url, namespace):
     settings = {"rpm": None, "tpm": 300_000, "burst_s": 0.2}
 

@@ -153,6 +153,7 @@ class Engine:
         self._wait_since = 0.0
         self._wait_total = 0.0
         self._pause_epoch = 0  # bumped by every shared pause: slots granted before it are stale
+        self._paused_at = -math.inf  # when the latest one began (time.monotonic())
         # Set when the provider's headers widen the burst: requests sleeping on slots granted
         # at the narrower one take fresh slots, which may be now.
         self._burst_grew = asyncio.Event()
@@ -458,7 +459,6 @@ class Engine:
         if self.limiter is None:
             return Grant(0.0, 1.0, True, 1.0, 0)
         for _ in range(C.MAX_FRESH_SLOTS):
-            epoch = self._pause_epoch
             grant = await self.limiter.acquire(estimate, deadline=deadline)
             if deadline is not None and time.monotonic() + grant.wait_s > deadline:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
@@ -472,7 +472,8 @@ class Engine:
                 await asyncio.sleep(grant.wait_s)
             st.waited += grant.wait_s - max(0.0, due - time.monotonic())
             hold = self._paused_until - time.monotonic()
-            stale = woke or epoch != self._pause_epoch or hold > 0
+            # Stale: granted before a pause began (a deferral inside acquire does not count).
+            stale = woke or self._paused_at >= grant.asked_at or hold > 0
             late = time.monotonic() - due > self.limiter.settings.burst_s
             if not stale and not late:
                 return grant
@@ -511,6 +512,7 @@ class Engine:
             if hint and time.monotonic() + hint > self._paused_until:
                 self._paused_until = time.monotonic() + hint
                 self._pause_epoch += 1
+                self._paused_at = time.monotonic()
             if self.limiter is not None:
                 try:
                     await self.limiter.penalize(retry_after_s=hint, slot_ms=grant.slot_ms)

@@ -9,6 +9,13 @@
 -- a job also runs its own GCRA at rate * weight / sum(active weights); a job ahead of its share
 -- is deferred: it gets a ticket (its own slot is reserved) and a wait, and then acquires again
 -- with the ticket, taking the next shared slot. When not saturated any job may use the slack.
+-- Jobs' own schedules run on a virtual clock that advances with the rate factor (see `v`).
+-- A job's use (for lending what idle jobs leave) counts its reservations, deferred ones too,
+-- so a job whose requests all wait on its own schedule is not taken for idle. A refunded
+-- request keeps its reservation in its job's schedule as a credit, spent by the job's next
+-- acquire (which then skips its own schedule like a ticket): pulling the job's schedule back
+-- instead hands the same time to every request that refunds and acquires again, and they all
+-- go at once.
 --
 -- Adaptive: a 429 that got through multiplies the rate by `decrease` once per overload event
 -- (a 429 on a slot granted before the last decrease is the same event) and empties the burst,
@@ -26,13 +33,15 @@
 -- KEYS: 1 state hash, 2 leases zset, 3 weights hash, 4 this job's hash
 -- ARGV: 1 op (acquire | reconcile | penalize | release), 2 job, 3 rpm, 4 tpm, 5 burst_ms,
 --       6 lease_ms, 7 weight, 8 decrease, 9 recovery_per_s, 10 min_factor, 11 cooldown_ms,
---       12 tokens, 13 ticket (acquire) | requests delta (reconcile) | retry_after_ms (penalize),
+--       12 tokens, 13 ticket (acquire: 0 none, 1 take a slot, else the deferral's reserved
+--       virtual time) | requests delta (reconcile) | retry_after_ms (penalize),
 --       14 how far ahead (ms) this caller's latest granted send is (restores a lost state),
 --       15 slot (penalize: the send time granted to the rejected request, Redis ms; 0 unknown)
 --          | remaining requests (observe; -1 unknown), 16 reset tokens ms (observe; -1),
 --       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms
 -- observe: ARGV 12 is the remaining tokens (-1 unknown).
--- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms}
+-- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms when
+-- granted | the ticket to come back with when deferred}
 
 pcall(redis.replicate_commands)
 
@@ -59,6 +68,7 @@ local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
 local burst_cap = tonumber(ARGV[19]) or burst
 
 local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb')
+local vst = redis.call('HMGET', KEYS[1], 'v', 'vt')
 local tr = tonumber(st[1]) or 0
 local tt = tonumber(st[2]) or 0
 if not st[1] and not st[2] and ahead > 0 then
@@ -74,11 +84,13 @@ local dec = tonumber(st[6]) or 0
 local fr = tonumber(st[8]) or 1
 local lb = tonumber(st[9]) or 0
 local ts = tonumber(st[7])
+local vt = tonumber(vst[2]) or now
 if ts and now < ts then
   -- Redis TIME stepped back: shift every stored time by the step.
   local step = ts - now
   tr, tt, pause, dec = tr - step, tt - step, pause - step, dec - step
   ft = math.min(ft - step, now)
+  vt = vt - step
 end
 ft = math.min(ft, now)
 f0 = math.max(min_factor, math.min(1, f0))
@@ -96,6 +108,12 @@ else
 end
 factor = math.max(min_factor, math.min(1, factor))
 local burst_ms = math.max(burst, math.min(lb, burst_cap))
+-- Virtual time (ms at the full rate): advances at `factor` per ms, and not while paused. Jobs'
+-- own schedules run on it, so a reservation made seconds ahead comes due after the same share
+-- of the bucket's capacity whatever the rate does meanwhile (recovery or a 429's decrease).
+-- On wall time, the job with the longer queue of its own (the lighter weight) would keep the
+-- rate of when it reserved: under its share while the rate recovers, over it after a decrease.
+local v = (tonumber(vst[1]) or now) + math.max(0, now - math.max(vt, math.min(pause, now))) * factor
 -- Emission rates per ms; 0 means the dimension is not limited.
 local rr = rpm * factor / 60000
 local rt = tpm * factor / 60000
@@ -107,6 +125,7 @@ end
 local function save_state()
   redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec,
     'ts', now, 'fr', fr, 'lb', lb)
+  redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
   keep(KEYS[1], math.max(tr, tt, pause))
 end
 
@@ -151,7 +170,7 @@ local function share_of()
   return math.max(weight / total, math.max(remaining, 0) * weight / wleft), #members
 end
 
--- Count a grant in this job's recent use.
+-- Count a reservation (granted or deferred) in this job's recent use.
 local function note_usage(cost_ms)
   local v = redis.call('HMGET', KEYS[3], 'u:' .. job, 't:' .. job)
   local u = usage_now(tonumber(v[1]), tonumber(v[2])) + cost_ms / tau
@@ -165,6 +184,22 @@ local function adjust(tat, delta)
   return math.max(tat + delta, now)
 end
 
+-- The same on the virtual clock (jobs' own schedules).
+local function adjust_v(tat, delta)
+  if delta >= 0 then return math.max(tat, v) + delta end
+  if tat <= v then return tat end
+  return math.max(tat + delta, v)
+end
+
+-- Wall ms until virtual time `tv` (a deferral longer than `recheck` while the rate is not
+-- full is cut to it: the rate may recover meanwhile, and the tag is then due sooner).
+local recheck = 1000
+local function wall_until(tv)
+  local w = math.max(0, tv - v) / factor
+  if factor < 1 then w = math.min(w, recheck) end
+  return math.max(w, math.max(pause, now) - now)
+end
+
 if op == 'release' then
   redis.call('ZREM', KEYS[2], job)
   redis.call('HDEL', KEYS[3], 'w:' .. job, 'u:' .. job, 't:' .. job)
@@ -173,20 +208,24 @@ end
 
 if op == 'reconcile' then
   local share = tonumber(redis.call('HGET', KEYS[4], 'share')) or 1
-  local jt = redis.call('HMGET', KEYS[4], 'tr', 'tt')
+  local jt = redis.call('HMGET', KEYS[4], 'vr', 'vk')
   local jtr = tonumber(jt[1]) or 0
   local jtt = tonumber(jt[2]) or 0
+  -- A refund (requests delta < 0) gives back the shared slot only; its job keeps the
+  -- reservation as a credit (see the header).
+  local refund = extra < 0
   if rt > 0 and tokens ~= 0 then
     tt = adjust(tt, tokens / rt)
-    jtt = adjust(jtt, tokens / (rt * share))
+    if not refund then jtt = adjust_v(jtt, tokens * factor / (rt * share)) end
   end
   if rr > 0 and extra ~= 0 then
     tr = adjust(tr, extra / rr)
-    jtr = adjust(jtr, extra / (rr * share))
+    if not refund then jtr = adjust_v(jtr, extra * factor / (rr * share)) end
   end
   save_state()
   if redis.call('EXISTS', KEYS[4]) == 1 then
-    redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt)
+    redis.call('HSET', KEYS[4], 'vr', jtr, 'vk', jtt)
+    if refund then redis.call('HINCRBY', KEYS[4], 'credit', -extra) end
   end
   return {1, 0, math.floor(factor * 1e6), math.floor(share * 1e6), 0}
 end
@@ -247,6 +286,15 @@ redis.call('HSET', KEYS[3], 'w:' .. job, weight)
 redis.call('PEXPIRE', KEYS[2], lease_ms * 4)
 redis.call('PEXPIRE', KEYS[3], lease_ms * 4)
 local share, active = share_of()
+-- A request refunded earlier left its job's reservation as a credit: this acquire spends it
+-- and takes the next shared slot, as a ticket does.
+if extra == 0 and share < 1 then
+  local credit = tonumber(redis.call('HGET', KEYS[4], 'credit')) or 0
+  if credit > 0 then
+    redis.call('HINCRBY', KEYS[4], 'credit', -1)
+    extra = 1
+  end
+end
 
 local s = math.max(now, pause)
 local cr, ct = 0, 0
@@ -262,40 +310,51 @@ end
 -- Saturated: the bucket is not full again since its last use (demand at or above the rate).
 local saturated = s > now or (rr > 0 and tr > now) or (rt > 0 and tt > now)
 
+-- A ticket carries its job's reserved time on the virtual clock (1: no time, take a slot now).
+-- Not yet due (the rate fell since, or the wait was cut short): wait again, nothing charged.
+if extra > 1 and extra > v + 1 and share < 1 and saturated then
+  redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
+  return {0, math.ceil(wall_until(extra) * 1000), math.floor(factor * 1e6),
+          math.floor(share * 1e6), active, math.floor(extra)}
+end
+
 if share < 1 and extra == 0 then
-  local jt = redis.call('HMGET', KEYS[4], 'tr', 'tt')
+  local jt = redis.call('HMGET', KEYS[4], 'vr', 'vk')
   local jtr = tonumber(jt[1]) or 0
   local jtt = tonumber(jt[2]) or 0
-  local jcr, jct = cr / share, ct / share
+  -- Costs on the virtual clock: the wall cost at the current rate, times the rate's factor.
+  local jcr, jct = cr * factor / share, ct * factor / share
   if saturated then
     -- Hold the job to its weighted share.
-    local js = now
+    local js = v
     if rr > 0 then js = math.max(js, jtr - burst) end
     if rt > 0 then js = math.max(js, jtt - burst) end
-    if js > now then
+    if js > v then
       jtr = math.max(jtr, js) + jcr
       jtt = math.max(jtt, js) + jct
-      redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt, 'share', share)
-      keep(KEYS[4], math.max(jtr, jtt))
-      return {0, math.ceil((js - now) * 1000), math.floor(factor * 1e6),
-              math.floor(share * 1e6), active}
+      redis.call('HSET', KEYS[4], 'vr', jtr, 'vk', jtt, 'share', share)
+      keep(KEYS[4], now + (math.max(jtr, jtt) - v) / factor)
+      redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
+      note_usage(math.max(cr, ct))
+      return {0, math.ceil(wall_until(js) * 1000), math.floor(factor * 1e6),
+              math.floor(share * 1e6), active, math.max(2, math.floor(js))}
     end
   end
-  jtr = math.max(jtr, now) + jcr
-  jtt = math.max(jtt, now) + jct
+  jtr = math.max(jtr, v) + jcr
+  jtt = math.max(jtt, v) + jct
   if not saturated then
     -- Slack used while the bucket was not saturated is forgiven beyond `memory` ms: enough to
     -- keep shares fair across brief lulls, not so much that lent capacity is paid back later.
-    jtr = math.min(jtr, now + math.max(burst, memory))
-    jtt = math.min(jtt, now + math.max(burst, memory))
+    jtr = math.min(jtr, v + math.max(burst, memory))
+    jtt = math.min(jtt, v + math.max(burst, memory))
   end
-  redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt, 'share', share)
-  keep(KEYS[4], math.max(jtr, jtt))
+  redis.call('HSET', KEYS[4], 'vr', jtr, 'vk', jtt, 'share', share)
+  keep(KEYS[4], now + (math.max(jtr, jtt) - v) / factor)
 end
 
 if rr > 0 then tr = math.max(tr, s) + cr end
 if rt > 0 then tt = math.max(tt, s) + ct end
-note_usage(math.max(cr, ct))
+if extra == 0 then note_usage(math.max(cr, ct)) end
 save_state()
 return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active,
         math.floor(s)}

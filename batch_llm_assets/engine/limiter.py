@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ class Grant:
     share: float
     active_jobs: int
     slot_ms: int = 0  # the granted send time on the Redis clock (0: no limiter)
+    # time.monotonic() when the call that granted it was sent (after any deferral): a shared
+    # pause that began after it is one the slot does not know about.
+    asked_at: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,18 +254,21 @@ class RedisLimiter:
         """
         ticket = 0
         while True:
+            asked_at = time.monotonic()
             res = await self._call("acquire", tokens, ticket)
             granted, wait_us, factor, share, active = res[:5]
-            slot = int(res[5]) if len(res) > 5 else 0
+            # A grant's sixth value is its send time; a deferral's, the ticket: the time its
+            # job reserved for it on the limiter's virtual clock.
+            slot = int(res[5]) if granted and len(res) > 5 else 0
             grant = Grant(
-                wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot
+                wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot, asked_at
             )
             self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
             if granted or (deadline is not None and time.monotonic() + grant.wait_s > deadline):
                 return grant
             # Over our share while the bucket is saturated: our slot is reserved; come back then.
             await asyncio.sleep(grant.wait_s)
-            ticket = 1
+            ticket = int(res[5]) if len(res) > 5 else 1
 
     async def reconcile(self, tokens_delta: float, requests_delta: float = 0) -> None:
         """Charge (positive) or refund (negative) the difference from the reservation."""
