@@ -125,6 +125,17 @@ def _blank(content: Any) -> bool:
     return not content
 
 
+def _has_user_prompt(messages: list[dict[str, Any]]) -> bool:
+    """At least one user message, and none of them blank."""
+    found = False
+    for m in messages:
+        if m.get("role") == "user":
+            if _blank(m.get("content")):
+                return False
+            found = True
+    return found
+
+
 def _failed(req: ChatRequest, error_class: str, message: str, **kw: Any) -> ChatResult:
     return ChatResult(req.id, "failed", error_class=error_class, error_message=message, **kw)
 
@@ -276,10 +287,11 @@ class Engine:
     def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int, int] | ChatResult:
         """(body, estimate, max_tokens), or the failed result of a request not to send."""
         messages = req.messages
-        user = [m for m in messages or () if m.get("role") == "user"]
-        if not user or any(_blank(m.get("content")) for m in user):
+        if not messages or not _has_user_prompt(messages):
             return _failed(req, E.EMPTY_PROMPT, "prompt is null or empty; not sent")
-        body = self.request_body(messages or [], req.params)
+        body = {**self.s.params, **req.params} if req.params else self.s.params.copy()
+        body["model"] = self.s.model
+        body["messages"] = messages
         max_tokens = requested_max_tokens(body, self.s.default_max_tokens)
         self._set_token_param(body, max_tokens)
         prompt = count_prompt_tokens(messages, self.s.model)
