@@ -233,10 +233,11 @@ if op == 'observe' then
     tr = math.max(tr, now + burst_ms - arg15 / rr)
     if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
   end
-  -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
-  -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
-  -- the headers' lag: a 1 s bucket gives no more than the default half second.
-  if cap > 0 and now - dec >= cooldown then lb = cap - math.max(burst, 0.1 * cap) end
+  -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it, less a
+  -- margin (200 ms, at most the configured burst) for sends bunched by the clients' own lags.
+  -- Not a share of the bucket: a tenth of a minute-long one is 6 s of the job's time, and what
+  -- is in flight is held back by the remaining cap above.
+  if cap > 0 and now - dec >= cooldown then lb = cap - math.min(burst, 200) end
   save_state()
   return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}
 end
@@ -250,13 +251,17 @@ local share, active = share_of()
 
 local s = math.max(now, pause)
 local cr, ct = 0, 0
+-- Under a burst learned from the provider's bucket (and capped by what it says remains), a
+-- request goes when the allowance holds its whole cost, as the provider admits it; under the
+-- configured burst, when the allowance is positive (at most one request over rate x burst).
+local fit = burst_ms > burst and 1 or 0
 if rr > 0 then
   cr = 1 / rr
-  s = math.max(s, tr - burst_ms)
+  s = math.max(s, tr - burst_ms + fit * cr)
 end
 if rt > 0 then
   ct = tokens / rt
-  s = math.max(s, tt - burst_ms)
+  s = math.max(s, tt - burst_ms + fit * ct)
 end
 
 -- Saturated: the bucket is not full again since its last use (demand at or above the rate).
