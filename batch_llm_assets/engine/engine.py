@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _constants as C
@@ -33,7 +33,7 @@ from .tokens import (
     uses_fallback_encoding,
 )
 from .transport import ChatResponse, ChatTransport
-from .usage import parse_limits
+from .usage import ProviderLimits, parse_limits
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,16 @@ class Engine:
         # at the narrower one take fresh slots, which may be now.
         self._burst_grew = asyncio.Event()
         self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
+        # Provider's prompt tokens per estimated one, learned from usage: a provider that counts
+        # otherwise (characters/4 of the body, another tokenizer) is reserved what it will
+        # charge, so the schedule is right before the answers reconcile it.
+        self._calibration = 1.0
+        self._calibrated = 0
+        # Reserved (granted less refunded) and sent, in tokens and requests, since the start:
+        # what was granted but not yet sent when a request went is what its answer's
+        # x-ratelimit-remaining cannot show yet.
+        self._granted = [0, 0]
+        self._sent = [0, 0]
         self.token_param = settings.token_param or token_param_for(settings.model)
         self.token_param_switched = False  # the provider rejected the first choice (recorded)
         self.warned_usage_estimated = False
@@ -371,10 +381,11 @@ class Engine:
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 return self._deadline(req, st)
+            reserve = self._reservation(estimate, max_tokens)
             try:
                 self._begin_wait()
                 try:
-                    grant = await self._wait_for_slot(estimate, deadline, st)
+                    grant = await self._wait_for_slot(reserve, deadline, st)
                 finally:
                     self._end_wait()
             except E.LimiterUnavailableError as exc:
@@ -389,7 +400,7 @@ class Engine:
             if grant is None or (deadline is not None and time.monotonic() >= deadline):
                 return self._deadline(req, st)  # every send checks the deadline first
             if self.breaker.reason:
-                await self._refund(grant, estimate)
+                await self._refund(grant, reserve)
                 continue
             st.attempt += 1
             self._set_token_param(body, max_tokens)
@@ -398,6 +409,10 @@ class Engine:
                 timeout = max(0.001, min(timeout, deadline - time.monotonic()))
             started = time.perf_counter()
             first_send = first_send or started
+            sent = self._sent
+            sent[0] += reserve
+            sent[1] += 1
+            seen = (sent[0], sent[1])
             try:
                 resp = await self.transport.chat(body, timeout)
             except E.ProviderError as exc:
@@ -426,7 +441,7 @@ class Engine:
                 continue
             ended = time.perf_counter()
             self.breaker.success()
-            await self._after_answer(estimate, max_tokens, resp)
+            await self._after_answer(estimate, reserve, max_tokens, resp, seen)
             prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
                 estimate, max_tokens, resp
             )
@@ -471,6 +486,9 @@ class Engine:
         for _ in range(C.MAX_FRESH_SLOTS):
             epoch = self._pause_epoch
             grant = await self.limiter.acquire(estimate, deadline=deadline)
+            if grant.granted:
+                self._granted[0] += estimate
+                self._granted[1] += 1
             if deadline is not None and time.monotonic() + grant.wait_s > deadline:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
                     await self._refund(grant, estimate)
@@ -504,6 +522,8 @@ class Engine:
 
     async def _refund(self, grant: Grant, estimate: int) -> None:
         if self.limiter is not None and grant.granted:
+            self._granted[0] -= estimate
+            self._granted[1] -= 1
             try:
                 await self.limiter.reconcile(-estimate, -1)
             except E.LimiterUnavailableError:
@@ -566,12 +586,48 @@ class Engine:
         content = resp.content if isinstance(resp.content, str) else ""
         return estimate - max_tokens, count_text_tokens(content, self.s.model), True
 
-    async def _after_answer(self, estimate: int, max_tokens: int, resp: ChatResponse) -> None:
-        """Feed the provider's state back: its limit headers, and the reservation's error."""
+    def _reservation(self, estimate: int, max_tokens: int) -> int:
+        """What a request reserves: the prompt estimate scaled to the provider's own count."""
+        if self._calibration == 1.0 or self.limiter is None:
+            return estimate
+        reserve = math.ceil((estimate - max_tokens) * self._calibration) + max_tokens
+        return min(reserve, self.limiter.max_request_tokens or reserve)
+
+    def _calibrate(self, estimate: int, max_tokens: int, usage_prompt: int) -> None:
+        """Learn the provider's prompt tokens per estimated one (a running mean over the first
+        answers, then an average that moves a tenth of the way per answer)."""
+        prompt = estimate - max_tokens
+        if prompt <= 0 or usage_prompt <= 0:
+            return
+        self._calibrated += 1
+        ratio = min(C.CALIBRATION_MAX, max(C.CALIBRATION_MIN, usage_prompt / prompt))
+        weight = max(0.1, 1 / self._calibrated)
+        self._calibration += weight * (ratio - self._calibration)
+
+    async def _after_answer(
+        self,
+        estimate: int,
+        reserve: int,
+        max_tokens: int,
+        resp: ChatResponse,
+        seen: tuple[int, int],
+    ) -> None:
+        """Feed the provider's state back: its limit headers, and the reservation's error.
+
+        `seen`: the tokens and requests this engine had sent when this request went; what it
+        had granted beyond them (in flight after it, or sleeping on later slots) the provider
+        had not counted yet, so it comes off the remaining the answer reports."""
         if self.limiter is None:
             return
         limits = parse_limits(resp.headers)
         if not limits.empty:
+            limits = _less_unseen(
+                limits,
+                self._sent[0] - seen[0],
+                self._sent[1] - seen[1],
+                self.limiter.tpm,
+                self.limiter.rpm,
+            )
             try:
                 burst = await self.limiter.observe(limits)
             except E.LimiterUnavailableError:
@@ -584,15 +640,36 @@ class Engine:
                 self._burst_s = burst
         if resp.usage is None:
             return
+        self._calibrate(estimate, max_tokens, resp.usage.prompt_tokens)
         answer = max_tokens
         if self.s.refund_unused_completion:
             answer = resp.usage.completion_tokens
-        delta = resp.usage.prompt_tokens + answer - estimate
+        delta = resp.usage.prompt_tokens + answer - reserve
         if delta:
             try:
                 await self.limiter.reconcile(delta)
             except E.LimiterUnavailableError:
                 self.limiter.warn("reconcile", "Could not reconcile %+d tokens.", delta)
+
+
+def _less_unseen(
+    limits: ProviderLimits, tokens: int, requests: int, tpm: int | None, rpm: int | None
+) -> ProviderLimits:
+    """The provider's remaining tokens and requests less what it could not have counted yet.
+
+    The reset grows by the time the rate takes to refill that much, so remaining + reset x rate,
+    the bucket's capacity the limiter learns its burst from, stays what the provider showed."""
+    rt, rr = limits.remaining_tokens, limits.remaining_requests
+    st, sr = limits.reset_tokens_s, limits.reset_requests_s
+    tokens = 0 if rt is None else min(rt, max(0, tokens))
+    requests = 0 if rr is None else min(rr, max(0, requests))
+    return replace(
+        limits,
+        remaining_tokens=None if rt is None else rt - tokens,
+        remaining_requests=None if rr is None else rr - requests,
+        reset_tokens_s=st + tokens * 60 / tpm if st is not None and tpm else st,
+        reset_requests_s=sr + requests * 60 / rpm if sr is not None and rpm else sr,
+    )
 
 
 @dataclass(slots=True)
