@@ -172,10 +172,8 @@ class Engine:
         # charge, so the schedule is right before the answers reconcile it.
         self._calibration = 1.0
         self._calibrated = 0
-        # Reserved (granted less refunded) and sent, in tokens and requests, since the start:
-        # what was granted but not yet sent when a request went is what its answer's
-        # x-ratelimit-remaining cannot show yet.
-        self._granted = [0, 0]
+        # Tokens (reserved) and requests sent since the start: what went after a request is
+        # what its answer's x-ratelimit-remaining cannot show yet.
         self._sent = [0, 0]
         self.token_param = settings.token_param or token_param_for(settings.model)
         self.token_param_switched = False  # the provider rejected the first choice (recorded)
@@ -486,9 +484,6 @@ class Engine:
         for _ in range(C.MAX_FRESH_SLOTS):
             epoch = self._pause_epoch
             grant = await self.limiter.acquire(estimate, deadline=deadline)
-            if grant.granted:
-                self._granted[0] += estimate
-                self._granted[1] += 1
             if deadline is not None and time.monotonic() + grant.wait_s > deadline:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
                     await self._refund(grant, estimate)
@@ -522,8 +517,6 @@ class Engine:
 
     async def _refund(self, grant: Grant, estimate: int) -> None:
         if self.limiter is not None and grant.granted:
-            self._granted[0] -= estimate
-            self._granted[1] -= 1
             try:
                 await self.limiter.reconcile(-estimate, -1)
             except E.LimiterUnavailableError:
@@ -615,8 +608,8 @@ class Engine:
         """Feed the provider's state back: its limit headers, and the reservation's error.
 
         `seen`: the tokens and requests this engine had sent when this request went; what it
-        had granted beyond them (in flight after it, or sleeping on later slots) the provider
-        had not counted yet, so it comes off the remaining the answer reports."""
+        sent after it the provider had not counted yet, so it comes off the remaining the answer
+        reports. (Requests sleeping on later slots are in the schedule already.)"""
         if self.limiter is None:
             return
         limits = parse_limits(resp.headers)
