@@ -35,6 +35,7 @@ BINDS = ("tpm", "rpm")
 RATIOS = (1.0, 1.2, 0.8)
 COUNTINGS = ("tiktoken", "chars4")
 SLACK_S = 1.0  # latency and start-up a job that fits in the bucket still takes
+STALL_MAX_429 = 5  # --stall-s: 429s allowed after a stall of the event loop (issue 10)
 
 
 def _cost(prompt: str, counting: str) -> int:

@@ -432,3 +432,62 @@ def test_error_signatures_ignore_ids_and_numbers():
     b = E.ProviderError("server_error", "HTTP 500: failed req_zzz999 at 18:44", status=500)
     c = E.ProviderError("server_error", "HTTP 500: other", status=500)
     assert a.signature == b.signature != c.signature
+
+
+def test_a_provider_that_counts_otherwise_is_reserved_what_it_charges(fresh_sim, valkey_url):
+    # The provider counts a quarter of the body's characters (~1.7x tiktoken here): the engine
+    # learns it from the usage and reserves that, so its 1 s bucket is never overdrawn.
+    fresh_sim.configure(tpm=600_000, rpm=60_000, bucket_s=1.0, counting="chars4")
+    llm = make(
+        fresh_sim,
+        model="gpt-4o-mini",
+        tpm=600_000,
+        rpm=60_000,
+        redis_url=valkey_url,
+        job_key="chars4",
+        params={"max_tokens": 64},
+        max_attempts=20,
+    )
+    words = "markets rally as inflation cools bank shares slide oil climbs"
+    reqs = [ChatRequest(i, user(f"Headline {i}: " + words * 4)) for i in range(200)]
+    results, engine = run_engine(llm, reqs)
+    assert [r.error_message for r in results.values() if not r.ok] == []
+    assert fresh_sim.stats().get("rate_limited", 0) == 0
+    assert engine._calibration > 1.3
+
+
+def test_under_a_learned_burst_a_request_goes_when_what_remains_holds_it(valkey_url):
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        ns = f"test:{{{time.monotonic_ns()}}}"
+        lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(tpm=60_000))
+        # A minute-long bucket (1,000 tokens/s) with 1,500 tokens left: the burst grows to it,
+        # and what remains holds one request of 1,000 now, the next when 500 more came back.
+        await lim.observe(ProviderLimits(remaining_tokens=1500, reset_tokens_s=58.5))
+        first = await lim.acquire(1000)
+        second = await lim.acquire(1000)
+        await client.aclose()
+        return first.wait_s, second.wait_s
+
+    first, second = asyncio.run(main())
+    assert first == 0
+    assert 0.3 < second < 0.7
+
+
+def test_what_was_sent_after_a_request_comes_off_the_remaining_its_answer_shows():
+    from batch_llm_assets.engine.engine import _less_unseen
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    seen = ProviderLimits(
+        remaining_tokens=1000, reset_tokens_s=1.0, remaining_requests=10, reset_requests_s=0.5
+    )
+    less = _less_unseen(seen, 300, 4, tpm=60_000, rpm=1200)
+    assert (less.remaining_tokens, less.remaining_requests) == (700, 6)
+    # The bucket's capacity (remaining + reset x rate) is what the provider showed.
+    assert less.reset_tokens_s == pytest.approx(1.3)
+    assert less.reset_requests_s == pytest.approx(0.7)
+    # Never below zero; unknown stays unknown.
+    assert _less_unseen(seen, 5000, 50, 60_000, 1200).remaining_tokens == 0
+    assert _less_unseen(ProviderLimits(), 300, 4, 60_000, 1200) == ProviderLimits()

@@ -193,10 +193,11 @@ def _restart_mid_run(fresh_sim, start, stop):
     assert len(results) == 360 and all(r.ok for r in results), {r.error_class for r in results}
     stats = fresh_sim.stats()
     # The provider (bucket: 1 s of the limit) never had to refuse: even across the restart the
-    # limiter stayed within its rate plus its 0.5 s burst.
+    # limiter stayed within its rate plus a burst no larger than the provider's bucket (the
+    # burst grows from 0.5 s towards the bucket its remaining/reset headers show).
     assert stats.get("rate_limited", 0) == 0
     per_second = [s["requests"] for s in stats["series"]]
-    assert max(per_second) <= 60 * 1.5 + 1
+    assert max(per_second) <= 60 * 2 + 1
 
 
 def test_embedded_valkey_restart_mid_run(fresh_sim, tmp_path):

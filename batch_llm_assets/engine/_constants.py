@@ -47,6 +47,10 @@ MAX_FRESH_SLOTS = 3
 MAX_LEARNED_BURST_S = 60.0
 # Above the rate at which 429s began, recovery probes this much slower.
 ADAPT_PROBE_SLOWDOWN = 5.0
+# The reservation's scale-up (or down) to the provider's own prompt count, learned from usage,
+# stays within these bounds.
+CALIBRATION_MIN = 0.5
+CALIBRATION_MAX = 4.0
 # How long a limiter call waits out an unreachable Redis before the request fails.
 LIMITER_OUTAGE_S = 60.0
 

@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _constants as C
@@ -33,7 +33,7 @@ from .tokens import (
     uses_fallback_encoding,
 )
 from .transport import ChatResponse, ChatTransport
-from .usage import parse_limits
+from .usage import ProviderLimits, parse_limits
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,17 @@ def _blank(content: Any) -> bool:
     return not content
 
 
+def _has_user_prompt(messages: list[dict[str, Any]]) -> bool:
+    """At least one user message, and none of them blank."""
+    found = False
+    for m in messages:
+        if m.get("role") == "user":
+            if _blank(m.get("content")):
+                return False
+            found = True
+    return found
+
+
 def _failed(req: ChatRequest, error_class: str, message: str, **kw: Any) -> ChatResult:
     return ChatResult(req.id, "failed", error_class=error_class, error_message=message, **kw)
 
@@ -158,6 +169,14 @@ class Engine:
         # at the narrower one take fresh slots, which may be now.
         self._burst_grew = asyncio.Event()
         self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
+        # Provider's prompt tokens per estimated one, learned from usage: a provider that counts
+        # otherwise (characters/4 of the body, another tokenizer) is reserved what it will
+        # charge, so the schedule is right before the answers reconcile it.
+        self._calibration = 1.0
+        self._calibrated = 0
+        # Tokens (reserved) and requests sent since the start: what went after a request is
+        # what its answer's x-ratelimit-remaining cannot show yet.
+        self._sent = [0, 0]
         self.token_param = settings.token_param or token_param_for(settings.model)
         self.token_param_switched = False  # the provider rejected the first choice (recorded)
         self.warned_usage_estimated = False
@@ -278,10 +297,11 @@ class Engine:
     def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int, int] | ChatResult:
         """(body, estimate, max_tokens), or the failed result of a request not to send."""
         messages = req.messages
-        user = [m for m in messages or () if m.get("role") == "user"]
-        if not user or any(_blank(m.get("content")) for m in user):
+        if not messages or not _has_user_prompt(messages):
             return _failed(req, E.EMPTY_PROMPT, "prompt is null or empty; not sent")
-        body = self.request_body(messages or [], req.params)
+        body = {**self.s.params, **req.params} if req.params else self.s.params.copy()
+        body["model"] = self.s.model
+        body["messages"] = messages
         max_tokens = requested_max_tokens(body, self.s.default_max_tokens)
         self._set_token_param(body, max_tokens)
         prompt = count_prompt_tokens(messages, self.s.model)
@@ -361,10 +381,11 @@ class Engine:
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 return self._deadline(req, st)
+            reserve = self._reservation(estimate, max_tokens)
             try:
                 self._begin_wait()
                 try:
-                    grant = await self._wait_for_slot(estimate, deadline, st)
+                    grant = await self._wait_for_slot(reserve, deadline, st)
                 finally:
                     self._end_wait()
             except E.LimiterUnavailableError as exc:
@@ -379,7 +400,7 @@ class Engine:
             if grant is None or (deadline is not None and time.monotonic() >= deadline):
                 return self._deadline(req, st)  # every send checks the deadline first
             if self.breaker.reason:
-                await self._refund(grant, estimate)
+                await self._refund(grant, reserve)
                 continue
             st.attempt += 1
             self._set_token_param(body, max_tokens)
@@ -388,6 +409,10 @@ class Engine:
                 timeout = max(0.001, min(timeout, deadline - time.monotonic()))
             started = time.perf_counter()
             first_send = first_send or started
+            sent = self._sent
+            sent[0] += reserve
+            sent[1] += 1
+            seen = (sent[0], sent[1])
             try:
                 resp = await self.transport.chat(body, timeout)
             except E.ProviderError as exc:
@@ -416,7 +441,7 @@ class Engine:
                 continue
             ended = time.perf_counter()
             self.breaker.success()
-            self._feed_back(estimate, max_tokens, resp)
+            self._feed_back(estimate, reserve, max_tokens, resp, seen)
             prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
                 estimate, max_tokens, resp
             )
@@ -557,12 +582,21 @@ class Engine:
         content = resp.content if isinstance(resp.content, str) else ""
         return estimate - max_tokens, count_text_tokens(content, self.s.model), True
 
-    def _feed_back(self, estimate: int, max_tokens: int, resp: ChatResponse) -> None:
+    def _feed_back(
+        self,
+        estimate: int,
+        reserve: int,
+        max_tokens: int,
+        resp: ChatResponse,
+        seen: tuple[int, int],
+    ) -> None:
         """Start `_after_answer` beside the row, not before it: the answer goes to the caller
         (the journal) at once, never after a wait on Redis. `drain` awaits what is left."""
         if self.limiter is None:
             return
-        task = asyncio.ensure_future(self._after_answer(estimate, max_tokens, resp))
+        task = asyncio.ensure_future(
+            self._after_answer(estimate, reserve, max_tokens, resp, seen)
+        )
         self._feedback.add(task)
         task.add_done_callback(self._feedback_done)
 
@@ -577,12 +611,48 @@ class Engine:
         if self._feedback:
             await asyncio.wait(set(self._feedback), timeout=timeout_s)
 
-    async def _after_answer(self, estimate: int, max_tokens: int, resp: ChatResponse) -> None:
-        """Feed the provider's state back: its limit headers, and the reservation's error."""
+    def _reservation(self, estimate: int, max_tokens: int) -> int:
+        """What a request reserves: the prompt estimate scaled to the provider's own count."""
+        if self._calibration == 1.0 or self.limiter is None:
+            return estimate
+        reserve = math.ceil((estimate - max_tokens) * self._calibration) + max_tokens
+        return min(reserve, self.limiter.max_request_tokens or reserve)
+
+    def _calibrate(self, estimate: int, max_tokens: int, usage_prompt: int) -> None:
+        """Learn the provider's prompt tokens per estimated one (a running mean over the first
+        answers, then an average that moves a tenth of the way per answer)."""
+        prompt = estimate - max_tokens
+        if prompt <= 0 or usage_prompt <= 0:
+            return
+        self._calibrated += 1
+        ratio = min(C.CALIBRATION_MAX, max(C.CALIBRATION_MIN, usage_prompt / prompt))
+        weight = max(0.1, 1 / self._calibrated)
+        self._calibration += weight * (ratio - self._calibration)
+
+    async def _after_answer(
+        self,
+        estimate: int,
+        reserve: int,
+        max_tokens: int,
+        resp: ChatResponse,
+        seen: tuple[int, int],
+    ) -> None:
+        """Feed the provider's state back: its limit headers, and the reservation's error.
+
+        `seen`: the tokens and requests this engine had sent when this request went; what it
+        sent after it the provider had not counted yet, so it comes off the remaining the answer
+        reports. (Requests sleeping on later slots are in the schedule already.)"""
         if self.limiter is None:
             return
         limits = parse_limits(resp.headers)
         if not limits.empty:
+            limits = _less_unseen(
+                limits,
+                self._sent[0] - seen[0],
+                self._sent[1] - seen[1],
+                self.limiter.tpm,
+                self.limiter.rpm,
+            )
             try:
                 burst = await self.limiter.observe(limits)
             except E.LimiterUnavailableError:
@@ -595,15 +665,36 @@ class Engine:
                 self._burst_s = burst
         if resp.usage is None:
             return
+        self._calibrate(estimate, max_tokens, resp.usage.prompt_tokens)
         answer = max_tokens
         if self.s.refund_unused_completion:
             answer = resp.usage.completion_tokens
-        delta = resp.usage.prompt_tokens + answer - estimate
+        delta = resp.usage.prompt_tokens + answer - reserve
         if delta:
             try:
                 await self.limiter.reconcile(delta)
             except E.LimiterUnavailableError:
                 self.limiter.warn("reconcile", "Could not reconcile %+d tokens.", delta)
+
+
+def _less_unseen(
+    limits: ProviderLimits, tokens: int, requests: int, tpm: int | None, rpm: int | None
+) -> ProviderLimits:
+    """The provider's remaining tokens and requests less what it could not have counted yet.
+
+    The reset grows by the time the rate takes to refill that much, so remaining + reset x rate,
+    the bucket's capacity the limiter learns its burst from, stays what the provider showed."""
+    rt, rr = limits.remaining_tokens, limits.remaining_requests
+    st, sr = limits.reset_tokens_s, limits.reset_requests_s
+    tokens = 0 if rt is None else min(rt, max(0, tokens))
+    requests = 0 if rr is None else min(rr, max(0, requests))
+    return replace(
+        limits,
+        remaining_tokens=None if rt is None else rt - tokens,
+        remaining_requests=None if rr is None else rr - requests,
+        reset_tokens_s=st + tokens * 60 / tpm if st is not None and tpm else st,
+        reset_requests_s=sr + requests * 60 / rpm if sr is not None and rpm else sr,
+    )
 
 
 @dataclass(slots=True)

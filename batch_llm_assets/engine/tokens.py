@@ -62,7 +62,18 @@ def count_text_tokens(text: str, model: str) -> int:
     if enc is None:
         # Overestimates: at most 3 UTF-8 bytes per token holds for English, code and CJK.
         return math.ceil(len(text.encode("utf-8", "surrogatepass")) / 3)
-    return len(enc.encode(text, disallowed_special=()))
+    # encode_ordinary = encode(disallowed_special=()): special-token text counts as text.
+    return len(enc.encode_ordinary(text))
+
+
+# Texts up to this many characters that repeat from row to row (roles, names, a system prompt,
+# few-shot turns) are counted once: the BPE is most of the engine's own per-request cost.
+_CACHED_TEXT_CHARS = 32_768
+
+
+@functools.lru_cache(maxsize=256)
+def _count_repeated(text: str, model: str) -> int:
+    return count_text_tokens(text, model)
 
 
 def _content_text(content: Any) -> str:
@@ -74,14 +85,21 @@ def _content_text(content: Any) -> str:
 
 
 def count_prompt_tokens(messages: Sequence[dict[str, Any]], model: str) -> int:
-    """Prompt tokens of a chat request as OpenAI bills them."""
+    """Prompt tokens of a chat request as OpenAI bills them.
+
+    Every message but the last (the row's own) is counted through a small cache: those are
+    the parts that repeat across rows."""
     total = REPLY_PRIMING
-    for message in messages:
-        total += TOKENS_PER_MESSAGE
-        total += count_text_tokens(message.get("role", ""), model)
-        total += count_text_tokens(_content_text(message.get("content")), model)
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
+        total += TOKENS_PER_MESSAGE + _count_repeated(message.get("role", ""), model)
+        text = _content_text(message.get("content"))
+        if i < last and len(text) <= _CACHED_TEXT_CHARS:
+            total += _count_repeated(text, model)
+        else:
+            total += count_text_tokens(text, model)
         if message.get("name"):
-            total += TOKENS_PER_NAME + count_text_tokens(message["name"], model)
+            total += TOKENS_PER_NAME + _count_repeated(message["name"], model)
     return total
 
 

@@ -179,6 +179,7 @@ class AiohttpTransport:
         self._headers = {"Content-Type": "application/json", **auth, **(extra_headers or {})}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._timeout_obj: aiohttp.ClientTimeout | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -188,14 +189,20 @@ class AiohttpTransport:
             )
         return self._session
 
+    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        """One ClientTimeout per distinct value: without a deadline every request has the same."""
+        if self._timeout_obj is None or self._timeout_obj.total != seconds:
+            self._timeout_obj = aiohttp.ClientTimeout(total=seconds)
+        return self._timeout_obj
+
     async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse:
-        session = self._get_session()
+        session = self._session or self._get_session()
         try:
             async with session.post(
                 self._url,
                 data=json.dumps(body),
                 params=self._params,
-                timeout=aiohttp.ClientTimeout(total=timeout),
+                timeout=self._timeout(timeout),
             ) as resp:
                 text = await resp.text(errors="replace")
                 headers = {k.lower(): v for k, v in resp.headers.items()}
