@@ -594,9 +594,7 @@ class Engine:
         (the journal) at once, never after a wait on Redis. `drain` awaits what is left."""
         if self.limiter is None:
             return
-        task = asyncio.ensure_future(
-            self._after_answer(estimate, reserve, max_tokens, resp, seen)
-        )
+        task = asyncio.ensure_future(self._after_answer(estimate, reserve, max_tokens, resp, seen))
         self._feedback.add(task)
         task.add_done_callback(self._feedback_done)
 
