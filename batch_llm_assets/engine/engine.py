@@ -483,7 +483,7 @@ class Engine:
         pause began after it was granted (the held requests must not all go when it ends)."""
         if self.limiter is None:
             return Grant(0.0, 1.0, True, 1.0, 0)
-        for _ in range(C.MAX_FRESH_SLOTS):
+        for attempt in range(C.MAX_FRESH_SLOTS):
             grant = await self.limiter.acquire(estimate, deadline=deadline)
             if deadline is not None and time.monotonic() + grant.wait_s > deadline:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
@@ -502,11 +502,17 @@ class Engine:
             late = time.monotonic() - due > self.limiter.settings.burst_s
             if not stale and not late:
                 return grant
-            await self._refund(grant, estimate)
+            last = attempt == C.MAX_FRESH_SLOTS - 1
+            if not last:
+                await self._refund(grant, estimate)
             if hold > 0:
                 st.waited += hold
                 await asyncio.sleep(hold)
-        return grant
+            if last:
+                # Out of fresh slots: this one is used, and so not given back (a refunded
+                # slot sent on would be one request more than the schedule holds).
+                return grant
+        raise AssertionError("unreachable: the last fresh slot is returned")
 
     async def _sleep_unless_burst_grows(self, seconds: float) -> bool:
         """Sleep; True if woken early because the burst grew (the slot may now be too late)."""
