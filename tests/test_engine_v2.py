@@ -456,26 +456,6 @@ def test_a_provider_that_counts_otherwise_is_reserved_what_it_charges(fresh_sim,
     assert engine._calibration > 1.3
 
 
-def test_under_a_learned_burst_a_request_goes_when_what_remains_holds_it(valkey_url):
-    from batch_llm_assets.engine.usage import ProviderLimits
-
-    async def main():
-        client = aioredis.Redis.from_url(valkey_url)
-        ns = f"test:{{{time.monotonic_ns()}}}"
-        lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(tpm=60_000))
-        # A minute-long bucket (1,000 tokens/s) with 1,500 tokens left: the burst grows to it,
-        # and what remains holds one request of 1,000 now, the next when 500 more came back.
-        await lim.observe(ProviderLimits(remaining_tokens=1500, reset_tokens_s=58.5))
-        first = await lim.acquire(1000)
-        second = await lim.acquire(1000)
-        await client.aclose()
-        return first.wait_s, second.wait_s
-
-    first, second = asyncio.run(main())
-    assert first == 0
-    assert 0.3 < second < 0.7
-
-
 def test_what_was_sent_after_a_request_comes_off_the_remaining_its_answer_shows():
     from batch_llm_assets.engine.engine import _less_unseen
     from batch_llm_assets.engine.usage import ProviderLimits

@@ -67,8 +67,7 @@ local arg15 = tonumber(ARGV[15]) or 0
 local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
 local burst_cap = tonumber(ARGV[19]) or burst
 
-local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb',
-  'rf', 'tf')
+local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb')
 local vst = redis.call('HMGET', KEYS[1], 'v', 'vt')
 local tr = tonumber(st[1]) or 0
 local tt = tonumber(st[2]) or 0
@@ -84,15 +83,12 @@ local pause = tonumber(st[5]) or 0
 local dec = tonumber(st[6]) or 0
 local fr = tonumber(st[8]) or 1
 local lb = tonumber(st[9]) or 0
--- The TATs' floors from the provider's remaining (observe): a refund never pulls a TAT below.
-local rf = tonumber(st[10]) or 0
-local tf = tonumber(st[11]) or 0
 local ts = tonumber(st[7])
 local vt = tonumber(vst[2]) or now
 if ts and now < ts then
   -- Redis TIME stepped back: shift every stored time by the step.
   local step = ts - now
-  tr, tt, pause, dec, rf, tf = tr - step, tt - step, pause - step, dec - step, rf - step, tf - step
+  tr, tt, pause, dec = tr - step, tt - step, pause - step, dec - step
   ft = math.min(ft - step, now)
   vt = vt - step
 end
@@ -128,7 +124,7 @@ end
 
 local function save_state()
   redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec,
-    'ts', now, 'fr', fr, 'lb', lb, 'rf', rf, 'tf', tf)
+    'ts', now, 'fr', fr, 'lb', lb)
   redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
   keep(KEYS[1], math.max(tr, tt, pause))
 end
@@ -219,13 +215,11 @@ if op == 'reconcile' then
   -- reservation as a credit (see the header).
   local refund = extra < 0
   if rt > 0 and tokens ~= 0 then
-    -- Refunds (held requests giving their slots back to take fresh ones) stop at the floor
-    -- what the provider said remains set, or they would hand it out again all at once.
-    tt = math.max(adjust(tt, tokens / rt), tokens < 0 and math.min(tt, tf) or 0)
+    tt = adjust(tt, tokens / rt)
     if not refund then jtt = adjust_v(jtt, tokens * factor / (rt * share)) end
   end
   if rr > 0 and extra ~= 0 then
-    tr = math.max(adjust(tr, extra / rr), extra < 0 and math.min(tr, rf) or 0)
+    tr = adjust(tr, extra / rr)
     if not refund then jtr = adjust_v(jtr, extra * factor / (rr * share)) end
   end
   save_state()
@@ -269,29 +263,21 @@ if op == 'observe' then
   local reset_t = tonumber(ARGV[16]) or -1
   local reset_r = tonumber(ARGV[17]) or -1
   local cap = 0
-  if rt > 0 and tokens >= 0 and reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
-  if rr > 0 and arg15 >= 0 and reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
-  -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it, less a
-  -- margin for sends bunched by the clients' own lags and a rate not yet corrected by the
-  -- provider's limit header: a twentieth of the bucket, at least 200 ms, at most the configured
-  -- burst (a tenth of a minute-long bucket would be 6 s of the job's time); what is in flight
-  -- is held back by the remaining cap below.
-  if cap > 0 and now - dec >= cooldown then
-    lb = cap - math.min(burst, math.max(200, 0.05 * cap))
-  end
-  -- Never promise more now than the provider says remains, under the burst now in force (a
-  -- burst that grows here must not add its growth on top of what remains).
-  burst_ms = math.max(burst, math.min(lb, burst_cap))
   if rt > 0 and tokens >= 0 then
-    tf = now + burst_ms - tokens / rt
-    tt = math.max(tt, tf)
+    -- Never promise more now than the provider says remains.
+    tt = math.max(tt, now + burst_ms - tokens / rt)
+    if reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
   end
   if rr > 0 and arg15 >= 0 then
-    rf = now + burst_ms - arg15 / rr
-    tr = math.max(tr, rf)
+    tr = math.max(tr, now + burst_ms - arg15 / rr)
+    if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
   end
+  -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
+  -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
+  -- the headers' lag: a 1 s bucket gives no more than the default half second.
+  if cap > 0 and now - dec >= cooldown then lb = cap - math.max(burst, 0.1 * cap) end
   save_state()
-  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(burst_ms)}
+  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}
 end
 
 -- acquire
@@ -312,17 +298,13 @@ end
 
 local s = math.max(now, pause)
 local cr, ct = 0, 0
--- Under a burst learned from the provider's bucket (and capped by what it says remains), a
--- request goes when the allowance holds its whole cost, as the provider admits it; under the
--- configured burst, when the allowance is positive (at most one request over rate x burst).
-local fit = burst_ms > burst and 1 or 0
 if rr > 0 then
   cr = 1 / rr
-  s = math.max(s, tr - burst_ms + fit * cr)
+  s = math.max(s, tr - burst_ms)
 end
 if rt > 0 then
   ct = tokens / rt
-  s = math.max(s, tt - burst_ms + fit * ct)
+  s = math.max(s, tt - burst_ms)
 end
 
 -- Saturated: the bucket is not full again since its last use (demand at or above the rate).
