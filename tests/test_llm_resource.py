@@ -7,9 +7,11 @@ import logging
 import time
 
 import pytest
+import redis
 
 from batch_llm_assets import ChatRequest, LLMResource
 from batch_llm_assets.engine import count_prompt_tokens
+from batch_llm_assets.engine.limiter import limiter_namespace
 
 from .conftest import SIM_KEY
 
@@ -24,6 +26,17 @@ def run(llm: LLMResource, requests) -> dict:
 
     with llm:
         return asyncio.run(main())
+
+
+def _forget_limiter_state(llm: LLMResource) -> None:
+    """A limiter that starts from scratch: delete this key's shared state in Redis."""
+    ns = limiter_namespace(llm.base_url, llm.model, llm.api_key)
+    client = redis.Redis.from_url(llm.redis_url)
+    try:
+        for key in client.scan_iter(match=ns.replace("[", "\\[") + "*"):
+            client.delete(key)
+    finally:
+        client.close()
 
 
 def make(sim, **kw) -> LLMResource:
@@ -159,6 +172,7 @@ def test_429s_that_get_through_are_retried_and_slow_the_bucket(fresh_sim, valkey
     # The key's real limit (the simulator's) is half what the resource was told.
     fresh_sim.configure(rpm=600, bucket_s=0.5)
     llm = make(fresh_sim, rpm=1200, redis_url=valkey_url, job_key="429-test", max_attempts=20)
+    _forget_limiter_state(llm)  # earlier tests on this key leave a learned rate and burst
     results = run(llm, [ChatRequest(i, user(f"q{i}")) for i in range(60)])
     assert all(r.ok for r in results.values())
     assert sum(r.http_429 for r in results.values()) > 0
