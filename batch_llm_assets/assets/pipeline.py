@@ -284,9 +284,7 @@ class PartitionRun:
                 await asyncio.wait({consumer, writing, failed}, return_when=asyncio.FIRST_COMPLETED)
                 if failed.done():  # the journal cannot be written: stop sending now
                     consumer.cancel()
-                    await writer.close()
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(writing), 30)
+                    await _write_what_arrived(writer, writing)
                     raise failed.result()
                 if writing.done():  # the writer only ends early when a write failed
                     raise self._write_failed(writing.exception())
@@ -299,9 +297,7 @@ class PartitionRun:
                 else:
                     # The reader, the journal or the consumer failed: stop sending, keep what
                     # arrived (written now if the warehouse takes it, else in the journal).
-                    await writer.close()
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(writing), 30)
+                    await _write_what_arrived(writer, writing)
                     consumer.result()
             finally:
                 self.reader.stop()
@@ -363,6 +359,14 @@ class PartitionRun:
             finally:
                 journal.close()
         return self.stats
+
+
+async def _write_what_arrived(writer: ChunkWriter, writing: asyncio.Task[None]) -> None:
+    """A run that is failing: write what arrived if the warehouse takes it within 30 s (else
+    it stays in the journal for the next run)."""
+    await writer.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(writing), 30)
 
 
 @contextlib.contextmanager
