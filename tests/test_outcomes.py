@@ -218,6 +218,24 @@ def test_the_per_row_identity_is_the_whole_body_identity(messages):
         assert fast(messages) == request_identity(rest | {"messages": messages}, url, version)
 
 
+def test_the_text_only_identity_is_the_whole_body_identity_for_any_text():
+    """Rendered prompts are hashed with orjson (text_only): its bytes must be the standard
+    encoder's for every character (controls, quotes, U+2028, astral, lone surrogates)."""
+    import random
+
+    from batch_llm_assets.engine.identity import MessagesIdentity
+
+    rng = random.Random(7)
+    alphabet = [chr(i) for i in range(0x300)] + list("\u2028\u2029\ud800\udfff\ue000\uffff😀\x7f")
+    rest = {"model": "m", "max_tokens": 16}
+    fast = MessagesIdentity(rest, "http://a/v1")
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        messages = [{"role": "system", "content": text[:5]}, {"role": "user", "content": text}]
+        whole = request_identity(rest | {"messages": messages}, "http://a/v1")
+        assert fast(messages, text_only=True) == whole, repr(text)
+
+
 def test_changing_what_is_sent_resends_and_changing_nothing_resends_nothing(fresh_sim, db):
     def sent(a, **llm):
         result = run(a, fresh_sim, db, **llm)

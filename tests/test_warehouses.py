@@ -133,6 +133,57 @@ def test_an_output_table_keyed_by_id_is_rebuilt_with_the_partition_key(con):
     assert con.execute("SELECT count(*) FROM out").fetchone() == (4,)
 
 
+def test_chunks_are_written_through_arrow_with_the_same_values_as_through_pandas(con):
+    """DuckDB scans an Arrow table without the GIL (the event loop keeps receiving answers
+    while a chunk is written); values Arrow will not take as typed go through pandas. Both
+    must store the same thing, typed-output columns (json, lists, bools) included."""
+    from batch_llm_assets.warehouses import duckdb_session as ds
+
+    typed = (("label", "string"), ("score", "float"), ("n", "int"), ("flag", "bool"))
+    typed += (("extra", "json"), ("tags", "list<string>"))
+    out = output_table("out", typed)
+    s = DuckDBSession(con)
+    s.ensure_output(out, SRC)
+    now = datetime(2026, 11, 1, 23, 59, 59, 123456, tzinfo=UTC)
+
+    def rows(key):
+        return [
+            result_row(
+                1,
+                key,
+                response="é",
+                prompt_tokens=3,
+                cost_usd=None,
+                completed_at=now,
+                label="up",
+                score=0.5,
+                n=2,
+                flag=True,
+                extra='{"a": 1}',
+                tags=["x", "y"],
+            ),
+            result_row(2, key, "failed", error="x", latency_ms=3, n=None, flag=None, tags=None),
+        ]
+
+    assert ds._arrow_table(out, rows("a")).num_rows == 2  # ordinary rows take the Arrow path
+    s.write_results(out, rows("a"))
+    real = ds._arrow_table
+    ds._arrow_table = None  # calling it fails: the pandas path
+    try:
+        s.write_results(out, rows("b"))
+    finally:
+        ds._arrow_table = real
+    cols = ", ".join(c for c in out.names[2:] if c != "request_hash")  # hash names the key
+    by_key = {
+        k: con.execute(
+            f"SELECT id, {cols} FROM out WHERE partition_key = ? ORDER BY id", [k]
+        ).fetchall()
+        for k in ("a", "b")
+    }
+    assert by_key["a"] == by_key["b"] and len(by_key["a"]) == 2
+    assert now in by_key["a"][0] and ["x", "y"] in by_key["a"][0]
+
+
 def test_an_old_table_that_cannot_be_rekeyed_is_left_as_it_was(con):
     con.execute(OLD_DDL)
     con.execute(

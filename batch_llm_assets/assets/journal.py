@@ -55,7 +55,7 @@ class ResultJournal:
             raise _error("create the journal directory", directory, exc) from None
         self.path = directory / f"{self.key}.jsonl"  # the layout before segments: still recovered
         self._fd: int | None = None
-        self._buffer: list[bytes] = []
+        self._buffer: list[dict[str, Any]] = []
         self._segment = self._last_segment()
         self._committed = self._segment  # segments up to this one are in the warehouse
 
@@ -95,15 +95,16 @@ class ResultJournal:
 
     # -- appending -------------------------------------------------------------------------
     def append(self, row: dict[str, Any]) -> None:
-        """Encode the row and hold it for `flush`, which the caller runs at the end of the
-        event-loop turn: one write for all the answers of a turn, not one per answer."""
-        self._buffer.append(_encode(row))
+        """Hold the row for `flush`, which the caller runs at the end of the event-loop turn:
+        one encoding pass and one write for all the answers of a turn, not one per answer.
+        The row must not change after this."""
+        self._buffer.append(row)
 
     def flush(self) -> None:
         """Hand the held lines to the OS (they survive SIGKILL from then on)."""
         if not self._buffer:
             return
-        data = b"\n".join(self._buffer) + b"\n"
+        data = b"\n".join([_encode(row) for row in self._buffer]) + b"\n"
         self._buffer.clear()
         path = self._segment_path(self._segment)
         try:
@@ -199,19 +200,17 @@ def _untag(obj: dict[str, Any]) -> Any:
     return obj
 
 
-_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME  # dates and datetimes are tagged, not strings
-
-
 def _encode(row: dict[str, Any]) -> bytes:
-    """One journal line (no newline). orjson on the hot path: an answer is encoded on the
-    event loop the moment it arrives. Ids that JSON or orjson would not give back as they were
-    (UUID, Decimal, bytes, dates) are tagged; anything orjson refuses (an int over 64 bits)
-    goes through the standard encoder."""
+    """One journal line (no newline). orjson on the hot path: every answer is encoded on the
+    event loop. Ids that JSON or orjson would not give back as they were (UUID, Decimal, bytes,
+    dates) are tagged. `completed_at`, the one datetime of a result row, is written by orjson
+    as ISO-8601 text and parsed back by `_decode` (no per-row callback). Anything orjson
+    refuses (an int over 64 bits) goes through the standard encoder."""
     rid = row["id"]
     if not isinstance(rid, int | str | float):
         row = {**row, "id": _tag(rid)}
     try:
-        return orjson.dumps(row, default=_tag, option=_ORJSON_OPTIONS)
+        return orjson.dumps(row, default=_tag)
     except orjson.JSONEncodeError:
         return json.dumps(row, default=_tag).encode()
 
@@ -223,6 +222,12 @@ def _decode(line: str) -> dict[str, Any] | None:
         return None
     if not isinstance(row, dict) or "id" not in row:
         return None
+    done = row.get("completed_at")
+    if type(done) is str:
+        try:
+            row["completed_at"] = datetime.fromisoformat(done)
+        except ValueError:
+            row["completed_at"] = None
     return row
 
 

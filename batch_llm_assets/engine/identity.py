@@ -13,6 +13,8 @@ import json
 import math
 from typing import Any
 
+import orjson
+
 
 def _normalise(value: Any) -> Any:
     kind = type(value)
@@ -73,7 +75,12 @@ class MessagesIdentity:
         """`text_only`: every key and value of the messages is a str (rendered prompts), so
         there is nothing to normalise."""
         h = hashlib.sha256(self._head)
-        doc = messages if text_only else _normalise(messages)
-        h.update(_DUMPS(doc).encode("utf-8", "surrogatepass"))
+        if text_only:
+            try:  # the same bytes as _DUMPS for str-only documents, at a fifth of the cost
+                h.update(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS))
+            except orjson.JSONEncodeError:  # a lone surrogate: the standard encoder's bytes
+                h.update(_DUMPS(messages).encode("utf-8", "surrogatepass"))
+        else:
+            h.update(_DUMPS(_normalise(messages)).encode("utf-8", "surrogatepass"))
         h.update(self._tail)
         return h.hexdigest()
