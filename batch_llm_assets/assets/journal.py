@@ -100,6 +100,10 @@ class ResultJournal:
         The row must not change after this."""
         self._buffer.append(row)
 
+    def extend(self, rows: list[dict[str, Any]]) -> None:
+        """`append` for each row."""
+        self._buffer.extend(rows)
+
     def flush(self) -> None:
         """Hand the held lines to the OS (they survive SIGKILL from then on)."""
         if not self._buffer:

@@ -137,6 +137,7 @@ class PartitionRun:
         self.journal: ResultJournal | None = None
         self.lease: PartitionLease | None = None
         self.typed = spec.output_schema
+        self._flush_turn: Any = lambda: None  # set by _accept
         self.reader = SliceReader(
             spec, llm, session, where, partition_key, self.stats, self.max_prompt_chars
         )
@@ -212,17 +213,23 @@ class PartitionRun:
         return row
 
     def _accept(self, writer: ChunkWriter, failed: asyncio.Future[BaseException]) -> Any:
-        """The workers' hook: each answer goes to the writer and the journal as it is parsed.
-        The journal's lines of one event-loop turn are written together at its end; a journal
-        that cannot be written fails the run at once (`failed`)."""
+        """The workers' hook: each answer is taken the moment it is parsed. The answers of one
+        event-loop turn become rows together at its end (a tight loop: about a third of the
+        per-answer cost when interleaved with the workers' sends), go to the writer, then to the
+        journal in one write. A journal that cannot be written fails the run at once (`failed`)."""
         journal = self.journal
         assert journal is not None
         loop = asyncio.get_running_loop()
-        scheduled = False
+        turn: list[ChatResult] = []
 
         def flush() -> None:
-            nonlocal scheduled
-            scheduled = False
+            if not turn:
+                return
+            now = datetime.now(UTC)  # the answers of a turn arrived within it
+            rows = [self._row(r, now) for r in turn]
+            turn.clear()
+            writer.extend(rows)  # in memory first: a journal that fails loses nothing received
+            journal.extend(rows)
             try:
                 journal.flush()
             except Exception as exc:
@@ -230,16 +237,13 @@ class PartitionRun:
                     failed.set_result(exc)
 
         def on_result(r: ChatResult) -> None:
-            nonlocal scheduled
             if failed.done():
                 raise failed.result()
-            row = self._row(r, datetime.now(UTC))
-            writer.add(row)  # in memory first: a journal that fails loses nothing received
-            journal.append(row)
-            if not scheduled:
-                scheduled = True
+            if not turn:
                 loop.call_soon(flush)
+            turn.append(r)
 
+        self._flush_turn = flush
         return on_result
 
     async def _consume(
@@ -282,6 +286,7 @@ class PartitionRun:
             writing = asyncio.create_task(writer.run())
             try:
                 await asyncio.wait({consumer, writing, failed}, return_when=asyncio.FIRST_COMPLETED)
+                self._flush_turn()  # answers of the last turn, if its end has not come yet
                 if failed.done():  # the journal cannot be written: stop sending now
                     consumer.cancel()
                     await _write_what_arrived(writer, writing)

@@ -137,9 +137,13 @@ class ChunkWriter:
         self._last = float("-inf")
 
     def add(self, row: dict[str, Any]) -> None:
-        self.pending.append(row)
+        self.extend([row])
+
+    def extend(self, rows: list[dict[str, Any]]) -> None:
+        was = len(self.pending)
+        self.pending.extend(rows)
         n = len(self.pending)
-        if n == 1 or n >= self.max_rows:
+        if was == 0 or n >= self.max_rows:
             self._wake.set()
         if n >= 2 * self.max_rows:
             self._room.clear()
