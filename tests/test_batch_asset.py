@@ -112,10 +112,19 @@ def test_partition_rows_statuses_and_metadata(fresh_sim, db):
     assert "request_hash" in {c.name for c in schema.columns}
 
 
-def test_rerun_is_idempotent_and_skips_done_rows(fresh_sim, db):
+def test_rerun_is_idempotent_and_skips_done_rows(fresh_sim, db, monkeypatch):
+    from batch_llm_assets.warehouses.duckdb_session import DuckDBSession
+
+    lookups = []  # skip-done lookups (a query each; a BigQuery job each), on the real session
+    real = DuckDBSession.done_hashes
+    monkeypatch.setattr(
+        DuckDBSession, "done_hashes", lambda s, *a, **k: lookups.append(1) or real(s, *a, **k)
+    )
     a = asset()
     assert materialize(a, fresh_sim, db).success
+    assert lookups == []  # a partition without output rows has nothing to skip
     second = materialize(a, fresh_sim, db)
+    assert lookups
     assert second.success
     md = metadata(second)
     assert md["run/rows_skipped"] == 60 and md["run/rows_ok"] == 0

@@ -135,6 +135,28 @@ def test_batch_partition_is_written_at_half_price_and_rerun_sends_nothing(bsim, 
     assert bsim.stats()["batches_created"] == 1
 
 
+def test_a_first_run_looks_up_no_done_rows_and_a_rerun_does(bsim, db, monkeypatch):
+    """Each skip-done lookup is a query (a BigQuery job): a partition without output rows has
+    nothing to skip, so its first run makes none. Counted on the real DuckDB session."""
+    from batch_llm_assets.warehouses.duckdb_session import DuckDBSession
+
+    lookups = []
+    real = DuckDBSession.done_hashes
+
+    def counted(self, *args, **kwargs):
+        lookups.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DuckDBSession, "done_hashes", counted)
+    assert materialize(asset(), bsim, db).success
+    assert lookups == []
+    assert materialize(asset(), bsim, db, key="2026-11-02").success  # another partition
+    assert lookups == []
+    again = materialize(asset(), bsim, db)
+    assert again.success and metadata(again)["run/rows_skipped"] == PER_DAY
+    assert lookups  # rows exist now: the rerun looks them up and skips them
+
+
 def test_a_second_run_of_a_batch_partition_is_refused_before_submitting(bsim, db):
     """Batch mode takes the live mode's partition lease: while another run holds the partition,
     a run fails at once naming it, and submits nothing (counted at the simulator)."""

@@ -229,9 +229,16 @@ class BatchPartitionRun:
         lines: list[BatchLine] = []
         failed: list[dict[str, Any]] = []
         self._items = {}
+        # A partition with no output rows yet (its first run) has nothing to skip: no lookup
+        # per chunk (each is a query on BigQuery), as in live mode.
+        nothing_done = self.db.count_output(self.spec.output.name, self.partition_key) == 0
         for chunk in self.db.read_slice(src, self.where, self.spec.chunk_rows):
             ids = [r[src.id_column] for r in chunk]
-            done = self.db.done_hashes(self.spec.output, self.partition_key, ids)
+            done = (
+                {}
+                if nothing_done
+                else self.db.done_hashes(self.spec.output, self.partition_key, ids)
+            )
             for row in chunk:
                 rid = row[src.id_column]
                 if rid in self.finalized:
