@@ -329,6 +329,25 @@ def test_after_a_pause_held_and_new_requests_go_out_paced(redis_url, namespace):
     asyncio.run(main())
 
 
+def test_slots_given_back_after_a_429_are_taken_again_paced(redis_url, namespace):
+    # 20 requests hold slots granted at the old rate; a 429 pauses everyone. The engine gives
+    # those slots back and takes fresh ones: the refunds must not refill the emptied burst
+    # (then the fresh slots would all be at the pause's end, the herd of issue 10).
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=1200, tpm=None, burst_s=0.5)
+        held = [await lim.acquire(0) for _ in range(20)]
+        await lim.penalize(retry_after_s=0.3, slot_ms=held[-1].slot_ms)
+        for _ in held:
+            await lim.reconcile(0, -1)
+        waits = sorted([(await lim.acquire(0)).wait_s for _ in range(10)])
+        assert waits[0] >= 0.25  # nobody before the pause ends
+        gaps = [b - a for a, b in itertools.pairwise(waits)]
+        assert min(gaps) > 0.05, waits  # 20/s x 0.7 = 14/s: one every ~71 ms
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_long_server_hint_pauses_everyone_for_a_minute_at_most(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None)

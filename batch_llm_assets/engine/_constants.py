@@ -43,6 +43,8 @@ ADAPT_COOLDOWN_MS = 1_000
 # A request that woke more than the burst after its slot (or whose slot a pause overtook) takes
 # a fresh one, at most this many times.
 MAX_FRESH_SLOTS = 3
+# After a 429, requests sleeping on slots are woken together this long after it (engine.py).
+RESLOT_DEBOUNCE_S = 0.01
 # The provider's bucket, as its headers show it, may widen the burst up to this (seconds).
 MAX_LEARNED_BURST_S = 60.0
 # Above the rate at which 429s began, recovery probes this much slower.

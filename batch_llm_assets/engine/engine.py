@@ -165,9 +165,12 @@ class Engine:
         self._wait_total = 0.0
         self._pause_epoch = 0  # bumped by every shared pause: slots granted before it are stale
         self._paused_at = -math.inf  # when the latest one began (time.monotonic())
-        # Set when the provider's headers widen the burst: requests sleeping on slots granted
-        # at the narrower one take fresh slots, which may be now.
-        self._burst_grew = asyncio.Event()
+        # Requests sleeping on their slots; woken to take fresh ones: when the
+        # provider's headers widen the burst (the fresh slot may be now), and after a 429 (slots
+        # granted at the old rate are given back together, then taken again, paced, from the
+        # pause's end: one at a time, each would take back the slot just given up, all the same).
+        self._sleepers: set[asyncio.Future[bool]] = set()
+        self._reslot_soon: asyncio.TimerHandle | None = None
         self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
         # Provider's prompt tokens per estimated one, learned from usage: a provider that counts
         # otherwise (characters/4 of the body, another tokenizer) is reserved what it will
@@ -491,10 +494,8 @@ class Engine:
                 return None
             due = time.monotonic() + grant.wait_s
             woke = False
-            if grant.wait_s > self.limiter.settings.burst_s:
-                woke = await self._sleep_unless_burst_grows(grant.wait_s)
-            elif grant.wait_s > 0:
-                await asyncio.sleep(grant.wait_s)
+            if grant.wait_s > 0:
+                woke = await self._sleep_unless_reslot(grant.wait_s)
             st.waited += grant.wait_s - max(0.0, due - time.monotonic())
             hold = self._paused_until - time.monotonic()
             # Stale: granted before a pause began (a deferral inside acquire does not count).
@@ -514,14 +515,31 @@ class Engine:
                 return grant
         raise AssertionError("unreachable: the last fresh slot is returned")
 
-    async def _sleep_unless_burst_grows(self, seconds: float) -> bool:
-        """Sleep; True if woken early because the burst grew (the slot may now be too late)."""
-        event = self._burst_grew
+    async def _sleep_unless_reslot(self, seconds: float) -> bool:
+        """Sleep; True if woken early to take a fresh slot (see `_sleepers`)."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, woken, False)
+        self._sleepers.add(woken)
         try:
-            await asyncio.wait_for(event.wait(), seconds)
-        except TimeoutError:
-            return False
-        return True
+            return await woken
+        finally:
+            timer.cancel()
+            self._sleepers.discard(woken)
+
+    def _wake_sleepers(self) -> None:
+        self._reslot_soon = None
+        for woken in self._sleepers:
+            _resolve(woken, True)
+        self._sleepers.clear()
+
+    def _wake_sleepers_soon(self) -> None:
+        """Wake the sleepers once the 429s of one burst have all arrived (they come within
+        milliseconds), not once per 429: a second wave would interleave its refunds with the
+        first wave's fresh acquires."""
+        if self._reslot_soon is None:
+            loop = asyncio.get_running_loop()
+            self._reslot_soon = loop.call_later(C.RESLOT_DEBOUNCE_S, self._wake_sleepers)
 
     async def _refund(self, grant: Grant, estimate: int) -> None:
         if self.limiter is not None and grant.granted:
@@ -549,6 +567,7 @@ class Engine:
                     await self.limiter.penalize(retry_after_s=hint, slot_ms=grant.slot_ms)
                 except E.LimiterUnavailableError:
                     pass  # the retry's acquire will report it
+                self._wake_sleepers_soon()
         if self._switch_token_param(exc):
             return 0.0
         self.breaker.error(exc, signatures)
@@ -663,8 +682,7 @@ class Engine:
                 burst = self._burst_s
             if burst > 1.5 * self._burst_s:
                 self._burst_s = burst
-                self._burst_grew.set()
-                self._burst_grew = asyncio.Event()
+                self._wake_sleepers()
             elif burst < self._burst_s:
                 self._burst_s = burst
         if resp.usage is None:
@@ -679,6 +697,11 @@ class Engine:
                 await self.limiter.reconcile(delta)
             except E.LimiterUnavailableError:
                 self.limiter.warn("reconcile", "Could not reconcile %+d tokens.", delta)
+
+
+def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _less_unseen(

@@ -67,7 +67,7 @@ local arg15 = tonumber(ARGV[15]) or 0
 local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
 local burst_cap = tonumber(ARGV[19]) or burst
 
-local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb')
+local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb', 'fl')
 local vst = redis.call('HMGET', KEYS[1], 'v', 'vt')
 local tr = tonumber(st[1]) or 0
 local tt = tonumber(st[2]) or 0
@@ -83,12 +83,15 @@ local pause = tonumber(st[5]) or 0
 local dec = tonumber(st[6]) or 0
 local fr = tonumber(st[8]) or 1
 local lb = tonumber(st[9]) or 0
+-- Floor for refunds (Redis ms): the end of the last 429's pause plus the burst. A refund never
+-- pulls a TAT below it, so slots given back while paused cannot refill the emptied burst.
+local fl = tonumber(st[10]) or 0
 local ts = tonumber(st[7])
 local vt = tonumber(vst[2]) or now
 if ts and now < ts then
   -- Redis TIME stepped back: shift every stored time by the step.
   local step = ts - now
-  tr, tt, pause, dec = tr - step, tt - step, pause - step, dec - step
+  tr, tt, pause, dec, fl = tr - step, tt - step, pause - step, dec - step, fl - step
   ft = math.min(ft - step, now)
   vt = vt - step
 end
@@ -124,7 +127,7 @@ end
 
 local function save_state()
   redis.call('HSET', KEYS[1], 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'pause', pause, 'dec', dec,
-    'ts', now, 'fr', fr, 'lb', lb)
+    'ts', now, 'fr', fr, 'lb', lb, 'fl', fl)
   redis.call('HSET', KEYS[1], 'v', v, 'vt', now)
   keep(KEYS[1], math.max(tr, tt, pause))
 end
@@ -177,11 +180,13 @@ local function note_usage(cost_ms)
   redis.call('HSET', KEYS[3], 'u:' .. job, u, 't:' .. job, now)
 end
 
--- Move a TAT by a signed amount of ms: a charge pushes it on, a refund never pulls it before now.
+-- Move a TAT by a signed amount of ms: a charge pushes it on, a refund never pulls it before now
+-- (nor before the floor a 429 set: see `fl`).
 local function adjust(tat, delta)
   if delta >= 0 then return math.max(tat, now) + delta end
-  if tat <= now then return tat end
-  return math.max(tat + delta, now)
+  local low = math.max(now, fl)
+  if tat <= low then return tat end
+  return math.max(tat + delta, low)
 end
 
 -- The same on the virtual clock (jobs' own schedules).
@@ -251,6 +256,7 @@ if op == 'penalize' then
   -- The provider's bucket is empty: no burst until it has refilled, so what was held (and what
   -- comes after the pause) goes out at the paced rate, never all at once.
   local from = math.max(now, pause) + burst
+  fl = math.max(fl, from)
   if rpm > 0 then tr = shrink and from or math.max(tr, from) end
   if tpm > 0 then tt = shrink and from or math.max(tt, from) end
   -- The rejected request's slot is not given back: the provider is over its limit already.
