@@ -25,6 +25,7 @@ from .breaker import Breaker
 from .limiter import Grant, RedisLimiter
 from .outcome import TRUNCATED, classify_answer, tools_requested
 from .profiles import token_param_for
+from .provider_gate import ProviderGate
 from .tokens import (
     count_prompt_tokens,
     count_text_tokens,
@@ -180,6 +181,8 @@ class Engine:
         # Tokens (reserved) and requests sent since the start: what went after a request is
         # what its answer's x-ratelimit-remaining cannot show yet.
         self._sent = [0, 0]
+        # What the provider's headers say it can take now, held against those sends.
+        self._gate = ProviderGate(rpm=limiter.rpm, tpm=limiter.tpm) if limiter is not None else None
         self.token_param = settings.token_param or token_param_for(settings.model)
         self.token_param_switched = False  # the provider rejected the first choice (recorded)
         self.warned_usage_estimated = False
@@ -402,9 +405,12 @@ class Engine:
                 )
             if grant is None or (deadline is not None and time.monotonic() >= deadline):
                 return self._deadline(req, st)  # every send checks the deadline first
+            if self._gate is not None and not await self._hold_for_provider(reserve, deadline):
+                return self._deadline(req, st)
             if self.breaker.reason:
                 await self._refund(grant, reserve)
                 continue
+            # From the provider gate's check to the count of this send: no await in between.
             st.attempt += 1
             self._set_token_param(body, max_tokens)
             timeout = self.s.request_timeout_s
@@ -412,6 +418,7 @@ class Engine:
                 timeout = max(0.001, min(timeout, deadline - time.monotonic()))
             started = time.perf_counter()
             first_send = first_send or started
+            sent_at = time.monotonic()
             sent = self._sent
             sent[0] += reserve
             sent[1] += 1
@@ -420,6 +427,8 @@ class Engine:
                 resp = await self.transport.chat(body, timeout)
             except E.ProviderError as exc:
                 st.last = exc
+                if exc.status == 429 and self._gate is not None:
+                    self._gate.observe(parse_limits(exc.headers), sent_at, seen)
                 # Typed outputs: a provider that refuses the JSON form refuses every row alike.
                 rejected = req.validate is not None and S.rejects_structured(exc)
                 if rejected:
@@ -444,7 +453,7 @@ class Engine:
                 continue
             ended = time.perf_counter()
             self.breaker.success()
-            self._feed_back(estimate, reserve, max_tokens, resp, seen)
+            self._feed_back(estimate, reserve, max_tokens, resp, seen, sent_at)
             prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
                 estimate, max_tokens, resp
             )
@@ -526,6 +535,17 @@ class Engine:
         finally:
             timer.cancel()
             self._sleepers.discard(woken)
+
+    async def _hold_for_provider(self, reserve: int, deadline: float | None) -> bool:
+        """Wait while the provider's headers say it cannot take this send yet (a window
+        before its reset, a bucket the provider counts otherwise); False if the deadline
+        would pass first."""
+        assert self._gate is not None
+        while (wait := self._gate.wait_s(reserve, time.monotonic(), self._sent)) > 0:
+            if deadline is not None and time.monotonic() + wait >= deadline:
+                return False
+            await asyncio.sleep(min(wait, C.MAX_SHARED_PAUSE_S))
+        return True
 
     def _wake_sleepers(self) -> None:
         self._reslot_soon = None
@@ -614,12 +634,21 @@ class Engine:
         max_tokens: int,
         resp: ChatResponse,
         seen: tuple[int, int],
+        sent_at: float,
     ) -> None:
         """Start `_after_answer` beside the row, not before it: the answer goes to the caller
-        (the journal) at once, never after a wait on Redis. `drain` awaits what is left."""
-        if self.limiter is None:
+        (the journal) at once, never after a wait on Redis. `drain` awaits what is left. The
+        provider gate learns from the headers at once."""
+        if self.limiter is None or self._gate is None:
             return
-        task = asyncio.ensure_future(self._after_answer(estimate, reserve, max_tokens, resp, seen))
+        limits = parse_limits(resp.headers)
+        if not limits.empty:
+            self._gate.set_rates(rpm=self.limiter.rpm, tpm=self.limiter.tpm)
+            self._gate.observe(limits, sent_at, seen)
+            self.limiter.window_s = self._gate.window_s
+        task = asyncio.ensure_future(
+            self._after_answer(estimate, reserve, max_tokens, resp, limits, seen)
+        )
         self._feedback.add(task)
         task.add_done_callback(self._feedback_done)
 
@@ -658,6 +687,7 @@ class Engine:
         reserve: int,
         max_tokens: int,
         resp: ChatResponse,
+        limits: ProviderLimits,
         seen: tuple[int, int],
     ) -> None:
         """Feed the provider's state back: its limit headers, and the reservation's error.
@@ -667,7 +697,6 @@ class Engine:
         reports. (Requests sleeping on later slots are in the schedule already.)"""
         if self.limiter is None:
             return
-        limits = parse_limits(resp.headers)
         if not limits.empty:
             limits = _less_unseen(
                 limits,

@@ -38,7 +38,8 @@
 --       14 how far ahead (ms) this caller's latest granted send is (restores a lost state),
 --       15 slot (penalize: the send time granted to the rejected request, Redis ms; 0 unknown)
 --          | remaining requests (observe; -1 unknown), 16 reset tokens ms (observe; -1),
---       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms
+--       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms,
+--       20 the provider's window ms when it enforces windows (observe; 0: a bucket)
 -- observe: ARGV 12 is the remaining tokens (-1 unknown).
 -- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms when
 -- granted | the ticket to come back with when deferred}
@@ -66,6 +67,7 @@ local ahead = tonumber(ARGV[14]) or 0
 local arg15 = tonumber(ARGV[15]) or 0
 local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
 local burst_cap = tonumber(ARGV[19]) or burst
+local window_ms = tonumber(ARGV[20]) or 0
 
 local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb', 'fl')
 local vst = redis.call('HMGET', KEYS[1], 'v', 'vt')
@@ -269,15 +271,21 @@ if op == 'observe' then
   local reset_t = tonumber(ARGV[16]) or -1
   local reset_r = tonumber(ARGV[17]) or -1
   local cap = 0
+  -- Never promise more now than the provider says remains, refilled at the rate after. Not for
+  -- a window: it does not refill until its reset, then all at once (the engine holds what the
+  -- window cannot take; a shared schedule that refilled would only pace the rest at the rate).
+  local refills = window_ms <= 0
   if rt > 0 and tokens >= 0 then
-    -- Never promise more now than the provider says remains.
-    tt = math.max(tt, now + burst_ms - tokens / rt)
+    if refills then tt = math.max(tt, now + burst_ms - tokens / rt) end
     if reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
   end
   if rr > 0 and arg15 >= 0 then
-    tr = math.max(tr, now + burst_ms - arg15 / rr)
+    if refills then tr = math.max(tr, now + burst_ms - arg15 / rr) end
     if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
   end
+  -- A window holds its whole length of our rate at its start, whatever remains now (the
+  -- engine holds what the window cannot take until its reset).
+  cap = math.max(cap, window_ms)
   -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
   -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
   -- the headers' lag: a 1 s bucket gives no more than the default half second.

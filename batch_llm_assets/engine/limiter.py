@@ -173,6 +173,7 @@ class RedisLimiter:
         self.tpm = settings.tpm
         self.warn = _Warnings()
         self._limits_checked = False
+        self.window_s = 0.0  # the provider's window, when the engine has seen it enforce one
         self._keys = [
             f"{namespace}:state",
             f"{namespace}:leases",
@@ -222,6 +223,7 @@ class RedisLimiter:
             *more,
             s.probe_slowdown,
             s.max_learned_burst_s * 1000,
+            self.window_s * 1000,
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1

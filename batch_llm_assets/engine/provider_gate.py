@@ -1,0 +1,111 @@
+"""The provider's own state, from its x-ratelimit-remaining/reset headers, held against this
+engine's sends: a send waits while the provider cannot take it yet.
+
+The shared limiter (limiter.lua) paces every process at the configured rate and bursts as far
+as the provider's bucket allows. What it cannot model is a provider that does not refill
+continuously: a fixed window (or Azure's per-second quantization of a per-minute limit) gives
+nothing more until its reset, then all of it; a sliding window frees a burst only a window
+after it went. The gate tells the two apart from the headers themselves: a bucket's reset
+moves later as it is drawn down, a window's stays put. It then holds a send that the provider
+would refuse until the bucket has refilled or the window has reset.
+
+Per engine: sends of other processes after the latest answer are not seen here (the shared
+schedule covers those).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# A pair of answers says something about the provider's kind only when a bucket's reset would
+# have moved at least this much between them (header rounding and send jitter are smaller).
+_MIN_EVIDENCE_S = 0.05
+_VOTES = 4  # evidence saturates here; 2 votes for "window" switch the model
+_OPEN_AFTER_RESET_S = 0.01  # a window is waited on until a little after its reset
+
+
+@dataclass(slots=True)
+class _Dimension:
+    """Requests or tokens: the latest snapshot of the provider's state, and its kind."""
+
+    rate_per_s: float  # the limit's refill rate (what the limiter paces at)
+    remaining: float = math.inf
+    at: float = -math.inf  # time.monotonic() of the send whose answer carried the snapshot
+    sent_at: float = 0.0  # this engine's sends in this dimension up to and including that one
+    reset_at: float = -math.inf
+    window_s: float = 0.0  # the longest reset seen: a window's length
+    quota: float = 0.0  # the most remaining seen: what a fresh window holds
+    votes: int = 0  # > 0: the reset stayed put while the provider was drawn down (a window)
+
+    @property
+    def window(self) -> bool:
+        return self.votes >= 2 and self.window_s > 0
+
+    def observe(self, remaining: float, reset_s: float, at: float, sent_at: float) -> None:
+        if at < self.at:
+            return  # an answer to an earlier send: its snapshot is older
+        reset_at = at + reset_s
+        dropped = self.remaining - remaining
+        if self.at > -math.inf and dropped > 0 and self.rate_per_s > 0:
+            expect = (at - self.at) + dropped / self.rate_per_s  # how far a bucket's would move
+            if expect >= _MIN_EVIDENCE_S:
+                moved = reset_at - self.reset_at
+                if abs(moved) < 0.25 * expect:
+                    self.votes = min(_VOTES, self.votes + 1)
+                elif moved > 0.6 * expect:
+                    self.votes = max(-_VOTES, self.votes - 1)
+        self.remaining, self.at, self.sent_at, self.reset_at = remaining, at, sent_at, reset_at
+        self.window_s = max(self.window_s, reset_s)
+        self.quota = max(self.quota, remaining)
+
+    def wait_s(self, cost: float, now: float, sent: float) -> float:
+        """How long a send of `cost` must wait for the provider to have it; 0: send now."""
+        if self.at == -math.inf:
+            return 0.0
+        need = min(cost, self.quota) if self.quota > 0 else cost
+        if self.window:
+            if now >= self.reset_at:
+                # A new window since the snapshot: its quota, less what went since it began.
+                windows = math.floor((now - self.reset_at) / self.window_s) + 1
+                self.at = self.reset_at + (windows - 1) * self.window_s
+                self.reset_at = self.at + self.window_s
+                self.remaining, self.sent_at = self.quota, sent
+            if self.remaining - (sent - self.sent_at) >= need:
+                return 0.0
+            return self.reset_at - now + _OPEN_AFTER_RESET_S
+        if self.rate_per_s <= 0:
+            return 0.0
+        refilled = self.remaining + self.rate_per_s * (now - self.at)
+        if self.quota > 0:
+            refilled = min(refilled, self.quota)  # a bucket holds no more than it showed
+        available = refilled - (sent - self.sent_at)
+        return 0.0 if available >= need else (need - available) / self.rate_per_s
+
+
+class ProviderGate:
+    """Requests and tokens (see the module). `sent` is the engine's [tokens, requests] counter."""
+
+    def __init__(self, *, rpm: int | None, tpm: int | None) -> None:
+        self.tokens = _Dimension((tpm or 0) / 60)
+        self.requests = _Dimension((rpm or 0) / 60)
+
+    def set_rates(self, *, rpm: int | None, tpm: int | None) -> None:
+        self.tokens.rate_per_s = (tpm or 0) / 60
+        self.requests.rate_per_s = (rpm or 0) / 60
+
+    def observe(self, limits, at: float, sent: tuple[float, float]) -> None:
+        """Fold in one answer's x-ratelimit-* (ProviderLimits) for the send made at `at`, when
+        this engine had sent `sent` (that send included)."""
+        if limits.remaining_tokens is not None and limits.reset_tokens_s is not None:
+            self.tokens.observe(limits.remaining_tokens, limits.reset_tokens_s, at, sent[0])
+        if limits.remaining_requests is not None and limits.reset_requests_s is not None:
+            self.requests.observe(limits.remaining_requests, limits.reset_requests_s, at, sent[1])
+
+    def wait_s(self, tokens: float, now: float, sent: list[float] | tuple[float, float]) -> float:
+        return max(self.tokens.wait_s(tokens, now, sent[0]), self.requests.wait_s(1, now, sent[1]))
+
+    @property
+    def window_s(self) -> float:
+        """The provider's window when it enforces windows (0: a bucket, or not known)."""
+        return max((d.window_s for d in (self.tokens, self.requests) if d.window), default=0.0)

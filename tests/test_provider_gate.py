@@ -1,0 +1,119 @@
+"""The provider gate (engine/provider_gate.py): what the provider's remaining/reset headers say
+it can take, held against the engine's sends. The headers come from the simulator's own
+enforcement classes (simulator/limits.py), as its server sends them; the last test runs the
+engine against the simulator over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from batch_llm_assets import ChatRequest, LLMResource
+from batch_llm_assets.engine.provider_gate import ProviderGate
+from batch_llm_assets.engine.usage import ProviderLimits
+from batch_llm_assets.simulator.limits import make_limit
+
+from .conftest import SIM_KEY
+
+
+def _drive(gate: ProviderGate, limit, sends: list[float]) -> list[float]:
+    """One request per send time: the provider takes it, its answer's headers reach the gate.
+    Returns the gate's wait for one more request at each send."""
+    waits, sent = [], [0, 0]
+    for t in sends:
+        waits.append(gate.wait_s(0, t, sent))
+        limit.take(1, t)
+        sent[1] += 1
+        headers = ProviderLimits(
+            remaining_requests=limit.remaining(t), reset_requests_s=limit.reset_s(t)
+        )
+        gate.observe(headers, t, (sent[0], sent[1]))
+    return waits
+
+
+@pytest.mark.parametrize(
+    ("shape", "window"),
+    [
+        ({"enforcement": "bucket", "bucket_s": 10.0}, False),
+        ({"enforcement": "bucket", "bucket_s": 1.0}, False),
+        ({"enforcement": "fixed_window", "window_s": 10.0}, True),
+        ({"enforcement": "sliding_window", "window_s": 10.0}, True),
+        ({"enforcement": "quantized"}, True),
+    ],
+)
+def test_a_window_is_told_from_a_bucket_by_its_headers(shape, window):
+    # 600/min: a burst of 8 requests 20 ms apart, as a job's first answers show it.
+    gate = ProviderGate(rpm=600, tpm=None)
+    _drive(gate, make_limit(600, now=0.0, **shape), [i * 0.02 for i in range(8)])
+    assert gate.requests.window is window
+    assert (gate.window_s > 0) is window
+
+
+def test_a_spent_window_holds_the_next_send_until_its_reset():
+    # 600/min in windows of 10 s: 100 per window. 100 sent in the first second.
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement="fixed_window", window_s=10.0, now=0.0)
+    waits = _drive(gate, limit, [i * 0.01 for i in range(100)])
+    assert waits == [0.0] * 100
+    # A refilling bucket would have 10 more by t = 2 s; the window has none until t = 10 s.
+    wait = gate.wait_s(0, 2.0, [0, 100])
+    assert 7.9 < wait <= 8.1
+    assert limit.wait_for(1, 2.0) > 0  # the provider agrees
+    # After the reset, a fresh window: its quota (the most the headers showed: 99), less what
+    # went since.
+    assert gate.wait_s(0, 10.02, [0, 100]) == 0.0
+    assert gate.wait_s(0, 10.03, [0, 198]) == 0.0
+    assert gate.wait_s(0, 10.04, [0, 199]) > 9.0
+
+
+def test_a_bucket_is_refilled_at_its_rate():
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement="bucket", bucket_s=1.0, now=0.0)  # 10 at once, 10/s
+    _drive(gate, limit, [i * 0.001 for i in range(10)])
+    assert gate.requests.window is False
+    # Empty at t = 0.009; one more request refills in 0.1 s.
+    assert gate.wait_s(0, 0.01, [0, 10]) == pytest.approx(0.099, abs=0.002)
+    assert gate.wait_s(0, 0.2, [0, 10]) == 0.0
+    # Sends the provider has not reported yet count against what it showed.
+    assert gate.wait_s(0, 0.2, [0, 12]) > 0
+
+
+def test_an_older_answer_does_not_overwrite_a_newer_snapshot():
+    gate = ProviderGate(rpm=600, tpm=None)
+    gate.observe(ProviderLimits(remaining_requests=3, reset_requests_s=0.7), 1.0, (0, 7))
+    gate.observe(ProviderLimits(remaining_requests=9, reset_requests_s=0.1), 0.5, (0, 1))
+    assert gate.requests.remaining == 3
+
+
+def test_a_fixed_window_provider_gets_no_429_at_the_window_edge(fresh_sim, valkey_url):
+    # 600 requests/min in fixed windows of 3 s: 30 per window. 45 requests take two windows.
+    # A schedule that refills continuously sends on into the spent window and takes 429s
+    # there; the gate holds those sends until the window resets.
+    fresh_sim.configure(rpm=600, enforcement="fixed_window", window_s=3.0)
+    r = redis.Redis.from_url(valkey_url)
+    for key in r.scan_iter("bla:*"):
+        r.delete(key)
+    llm = LLMResource(
+        base_url=fresh_sim.url,
+        api_key=SIM_KEY,
+        model="sim-1",
+        rpm=600,
+        redis_url=valkey_url,
+        job_key="fixed-window",
+        max_concurrency=16,
+    )
+
+    async def main():
+        return [
+            x
+            async for x in llm.chat_batch(
+                ChatRequest(i, [{"role": "user", "content": f"w{i}"}]) for i in range(45)
+            )
+        ]
+
+    with llm:
+        results = asyncio.run(main())
+    assert all(x.ok for x in results)
+    assert fresh_sim.stats().get("rate_limited", 0) == 0
