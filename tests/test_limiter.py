@@ -393,3 +393,28 @@ def test_the_burst_grows_to_the_providers_bucket_and_shrinks_on_a_429(redis_url,
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_an_engine_alone_on_the_key_bursts_closer_to_the_providers_bucket(redis_url, namespace):
+    # A 10 s bucket at 1000 tokens/s, full. The margin below it is a tenth (1 s) for engines
+    # that share the key; an engine alone whose token counts have settled holds its own sends
+    # against the provider's headers, so 50 ms will do.
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    full = ProviderLimits(remaining_tokens=10_000, reset_tokens_s=0.0)
+
+    async def main():
+        client, one = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        assert await one.observe(full) == pytest.approx(9.0, abs=0.01)  # not settled yet
+        one.settled = True
+        assert await one.observe(full) == pytest.approx(9.95, abs=0.01)
+        # A second engine (another process) starts on the key: the margin is back.
+        client2, two = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        await two.acquire(10)
+        assert await one.observe(full) == pytest.approx(9.0, abs=0.01)
+        await two.release()  # it ends: alone again
+        assert await one.observe(full) == pytest.approx(9.95, abs=0.01)
+        await client.aclose()
+        await client2.aclose()
+
+    asyncio.run(main())

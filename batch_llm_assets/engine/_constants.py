@@ -52,6 +52,8 @@ ADAPT_PROBE_SLOWDOWN = 5.0
 # The reservation's scale-up (or down) to the provider's own prompt count, learned from usage,
 # stays within these bounds.
 CALIBRATION_MIN = 0.5
+# Answers whose usage the calibration has seen before the engine counts as settled (limiter.py).
+CALIBRATION_SETTLED = 16
 CALIBRATION_MAX = 4.0
 # How long a limiter call waits out an unreachable Redis before the request fails.
 LIMITER_OUTAGE_S = 60.0

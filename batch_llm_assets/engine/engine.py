@@ -172,6 +172,7 @@ class Engine:
         # pause's end: one at a time, each would take back the slot just given up, all the same).
         self._sleepers: set[asyncio.Future[bool]] = set()
         self._reslot_soon: asyncio.TimerHandle | None = None
+        self._wakes = 0
         self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
         # Provider's prompt tokens per estimated one, learned from usage: a provider that counts
         # otherwise (characters/4 of the body, another tokenizer) is reserved what it will
@@ -496,14 +497,16 @@ class Engine:
         if self.limiter is None:
             return Grant(0.0, 1.0, True, 1.0, 0)
         for attempt in range(C.MAX_FRESH_SLOTS):
+            wakes = self._wakes
             grant = await self.limiter.acquire(estimate, deadline=deadline)
             if deadline is not None and time.monotonic() + grant.wait_s > deadline:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
                     await self._refund(grant, estimate)
                 return None
             due = time.monotonic() + grant.wait_s
-            woke = False
-            if grant.wait_s > 0:
+            # Sleepers were woken while this acquire was on its way: its slot is as stale.
+            woke = self._wakes != wakes and grant.wait_s > 0
+            if grant.wait_s > 0 and not woke:
                 woke = await self._sleep_unless_reslot(grant.wait_s)
             st.waited += grant.wait_s - max(0.0, due - time.monotonic())
             hold = self._paused_until - time.monotonic()
@@ -549,6 +552,7 @@ class Engine:
 
     def _wake_sleepers(self) -> None:
         self._reslot_soon = None
+        self._wakes += 1
         for woken in self._sleepers:
             _resolve(woken, True)
         self._sleepers.clear()
@@ -677,6 +681,8 @@ class Engine:
         if prompt <= 0 or usage_prompt <= 0:
             return
         self._calibrated += 1
+        if self._calibrated >= C.CALIBRATION_SETTLED and self.limiter is not None:
+            self.limiter.settled = True
         ratio = min(C.CALIBRATION_MAX, max(C.CALIBRATION_MIN, usage_prompt / prompt))
         weight = max(0.1, 1 / self._calibrated)
         self._calibration += weight * (ratio - self._calibration)

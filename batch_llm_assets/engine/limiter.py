@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from importlib import resources
 
@@ -179,7 +180,12 @@ class RedisLimiter:
             f"{namespace}:leases",
             f"{namespace}:weights",
             f"{namespace}:job:{job}",
+            f"{namespace}:engines",
         ]
+        self.engine_id = uuid.uuid4().hex  # this process's run on the key (see `settled`)
+        # The engine's token counts agree with the provider's (its calibration has settled):
+        # alone on the key, it may then burst closer to the provider's bucket (limiter.lua).
+        self.settled = False
 
     @property
     def max_request_tokens(self) -> int | None:
@@ -224,6 +230,8 @@ class RedisLimiter:
             s.probe_slowdown,
             s.max_learned_burst_s * 1000,
             self.window_s * 1000,
+            self.engine_id,
+            int(self.settled),
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 _MIN_EVIDENCE_S = 0.05
 _VOTES = 4  # evidence saturates here; 2 votes for "window" switch the model
 _OPEN_AFTER_RESET_S = 0.01  # a window is waited on until a little after its reset
+# A request's tokens as the provider counts them can be a few per cent over the engine's
+# estimate (another tokenizer, characters/4: the calibration is right on average only).
+_TOKEN_SLACK = 0.1
 
 
 @dataclass(slots=True)
@@ -103,7 +106,10 @@ class ProviderGate:
             self.requests.observe(limits.remaining_requests, limits.reset_requests_s, at, sent[1])
 
     def wait_s(self, tokens: float, now: float, sent: list[float] | tuple[float, float]) -> float:
-        return max(self.tokens.wait_s(tokens, now, sent[0]), self.requests.wait_s(1, now, sent[1]))
+        return max(
+            self.tokens.wait_s(tokens * (1 + _TOKEN_SLACK), now, sent[0]),
+            self.requests.wait_s(1, now, sent[1]),
+        )
 
     @property
     def window_s(self) -> float:
