@@ -51,6 +51,24 @@ def test_a_window_is_told_from_a_bucket_by_its_headers(shape, window):
     assert (gate.window_s > 0) is window
 
 
+def test_a_bucket_whose_reset_is_sent_in_whole_seconds_is_no_window():
+    # OpenAI writes a reset of minutes as `6m0s`: between answers 10 ms apart it mostly does
+    # not change. That is rounding, not a window.
+    gate = ProviderGate(rpm=None, tpm=60_000)  # 1000 tokens/s
+    limit = make_limit(60_000, enforcement="bucket", bucket_s=600.0, now=0.0)
+    limit.take(100_000, 0.0)  # 100 s to refill
+    sent = [100_000, 1]
+    for i in range(1, 100):
+        t = i * 0.01
+        limit.take(100, t)  # ten times the refill
+        sent[0] += 100
+        sent[1] += 1
+        reset = float(round(limit.reset_s(t)))
+        limits = ProviderLimits(remaining_tokens=limit.remaining(t), reset_tokens_s=reset)
+        gate.observe(limits, t, (sent[0], sent[1]))
+    assert gate.tokens.window is False
+
+
 def test_a_spent_window_holds_the_next_send_until_its_reset():
     # 600/min in windows of 10 s: 100 per window. 100 sent in the first second.
     gate = ProviderGate(rpm=600, tpm=None)

@@ -52,7 +52,10 @@ class _Dimension:
         dropped = self.remaining - remaining
         if self.at > -math.inf and dropped > 0 and self.rate_per_s > 0:
             expect = (at - self.at) + dropped / self.rate_per_s  # how far a bucket's would move
-            if expect >= _MIN_EVIDENCE_S:
+            # OpenAI writes resets of minutes in whole seconds (`6m0s`): then a reset that
+            # stayed put says nothing unless a bucket's would have moved by several seconds.
+            coarse = reset_s >= 60 and reset_s == int(reset_s)
+            if expect >= max(_MIN_EVIDENCE_S, 4.0 if coarse else 0.0):
                 moved = reset_at - self.reset_at
                 if abs(moved) < 0.25 * expect:
                     self.votes = min(_VOTES, self.votes + 1)
