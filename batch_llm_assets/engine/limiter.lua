@@ -213,7 +213,7 @@ end
 -- Engines (processes) sending on this key now: one alone may burst closer to the provider's
 -- bucket, since its own provider gate sees every send the headers do not show yet.
 local function engines_now()
-  if engine_id == '' or not KEYS[5] then return 0 end
+  if engine_id == '' then return 0 end
   redis.call('ZADD', KEYS[5], now + lease_ms, engine_id)
   redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
   redis.call('PEXPIRE', KEYS[5], lease_ms * 4)
@@ -221,7 +221,7 @@ local function engines_now()
 end
 
 if op == 'release' then
-  if KEYS[5] and engine_id ~= '' then redis.call('ZREM', KEYS[5], engine_id) end
+  if engine_id ~= '' then redis.call('ZREM', KEYS[5], engine_id) end
   redis.call('ZREM', KEYS[2], job)
   redis.call('HDEL', KEYS[3], 'w:' .. job, 'u:' .. job, 't:' .. job)
   return {1, 0, 0, 0, 0}

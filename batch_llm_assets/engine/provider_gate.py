@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .usage import ProviderLimits
+
 # A pair of answers says something about the provider's kind only when a bucket's reset would
 # have moved at least this much between them (header rounding and send jitter are smaller).
 _MIN_EVIDENCE_S = 0.05
@@ -100,8 +102,8 @@ class ProviderGate:
         self.tokens.rate_per_s = (tpm or 0) / 60
         self.requests.rate_per_s = (rpm or 0) / 60
 
-    def observe(self, limits, at: float, sent: tuple[float, float]) -> None:
-        """Fold in one answer's x-ratelimit-* (ProviderLimits) for the send made at `at`, when
+    def observe(self, limits: ProviderLimits, at: float, sent: tuple[float, float]) -> None:
+        """Fold in one answer's x-ratelimit-* for the send made at `at`, when
         this engine had sent `sent` (that send included)."""
         if limits.remaining_tokens is not None and limits.reset_tokens_s is not None:
             self.tokens.observe(limits.remaining_tokens, limits.reset_tokens_s, at, sent[0])
