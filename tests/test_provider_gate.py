@@ -135,3 +135,18 @@ def test_a_fixed_window_provider_gets_no_429_at_the_window_edge(fresh_sim, valke
         results = asyncio.run(main())
     assert all(x.ok for x in results)
     assert fresh_sim.stats().get("rate_limited", 0) == 0
+
+
+def test_a_send_the_snapshot_only_just_covers_waits():
+    # Found in the matrix's 1 s bucket cells: the provider takes its snapshot a little after
+    # the send (so a bucket is credited its refill from 2 ms after it), and on short prompts it
+    # counts a few framing tokens the calibration's ratio does not scale (32 tokens are kept
+    # besides the 10 %). Sends that the snapshot only just covered got 429s.
+    gate = ProviderGate(rpm=13_500, tpm=60_000)  # 225 requests/s, 1000 tokens/s
+    gate.observe(ProviderLimits(remaining_requests=0, reset_requests_s=1.0), 1.0, (0, 50))
+    assert gate.wait_s(0, 1.0 + 1 / 225, [0, 50]) > 0  # the refill's last 2 ms not credited
+    assert gate.wait_s(0, 1.0 + 1 / 225 + 0.002, [0, 50]) == 0
+    gate.observe(ProviderLimits(remaining_tokens=1000, reset_tokens_s=0.0), 1.5, (0, 55))
+    gate.observe(ProviderLimits(remaining_tokens=130, reset_tokens_s=0.87), 2.0, (1000, 60))
+    assert gate.wait_s(100, 2.0, [1000, 60]) > 0  # 100 x 1.1 + 32 = 142 > 130
+    assert gate.wait_s(85, 2.0, [1000, 60]) == 0  # 125.5

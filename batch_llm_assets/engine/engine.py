@@ -715,10 +715,15 @@ class Engine:
                 burst = await self.limiter.observe(limits)
             except E.LimiterUnavailableError:
                 burst = self._burst_s
-            if burst > 1.5 * self._burst_s:
+            # Wake on a real widening only (a half, or a configured burst more: 54 s to 59.95 s
+            # on a minute's bucket is 28 requests that would otherwise wait on slots of the old
+            # burst); the same step the other way counts as a narrowing, so header jitter
+            # never wakes anyone.
+            step = self.limiter.settings.burst_s
+            if burst > 1.5 * self._burst_s or burst >= self._burst_s + step:
                 self._burst_s = burst
                 self._wake_sleepers()
-            elif burst < self._burst_s:
+            elif burst <= self._burst_s - step or burst <= step:
                 self._burst_s = burst
         if resp.usage is None:
             return

@@ -289,25 +289,26 @@ if op == 'observe' then
   -- a window: it does not refill until its reset, then all at once (the engine holds what the
   -- window cannot take; a shared schedule that refilled would only pace the rest at the rate).
   local refills = window_ms <= 0
-  if rt > 0 and tokens >= 0 then
-    if refills then tt = math.max(tt, now + burst_ms - tokens / rt) end
-    if reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
-  end
-  if rr > 0 and arg15 >= 0 then
-    if refills then tr = math.max(tr, now + burst_ms - arg15 / rr) end
-    if reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
-  end
+  if rt > 0 and tokens >= 0 and reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
+  if rr > 0 and arg15 >= 0 and reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
+  -- An engine alone on the key whose token counts have settled holds its own sends against
+  -- the provider's headers (its provider gate, which allows for the snapshot's lag and the
+  -- counting error).
+  local alone = settled == 1 and engines_now() == 1
+  -- The remaining the caller sends is the answer's less its own sends since; answers overtaken
+  -- in flight make it a little low at times, and a clamp only ever ratchets up. For an engine
+  -- alone, a fiftieth of a bucket of seconds is let go (its gate holds the exact remaining).
+  local slack = (alone and cap >= 2000) and 0.02 * cap or 0
+  if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, now + burst_ms - slack - tokens / rt) end
+  if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, now + burst_ms - slack - arg15 / rr) end
   -- A window holds its whole length of our rate at its start, whatever remains now (the
   -- engine holds what the window cannot take until its reset).
   cap = math.max(cap, window_ms)
   -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
   -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
-  -- the headers' lag: a 1 s bucket gives no more than the default half second. An engine
-  -- alone on the key whose token counts have settled holds its own sends against the
-  -- provider's headers (its provider gate): a margin of 50 ms will do. Not on a bucket under
-  -- 2 s: there the headers' lag is a large part of the bucket (429s in the matrix's 1 s cells).
-  local margin = math.max(burst, 0.1 * cap)
-  if settled == 1 and cap >= 2000 and engines_now() == 1 then margin = 50 end
+  -- the headers' lag: a 1 s bucket gives no more than the default half second. For an engine
+  -- alone (above), a margin of 50 ms will do, on a 1 s bucket too.
+  local margin = alone and 50 or math.max(burst, 0.1 * cap)
   if cap > 0 and now - dec >= cooldown then lb = cap - margin end
   save_state()
   return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}

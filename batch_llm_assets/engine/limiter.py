@@ -114,7 +114,11 @@ def connect_redis(url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S):
         if url.startswith(prefix):
             plain = url.replace("+cluster", "", 1)
             return aioredis.RedisCluster.from_url(plain, **opts)
-    return aioredis.Redis.from_url(url, **opts)
+    # Blocking: a command waits for a free connection instead of opening one more.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=C.REDIS_MAX_CONNECTIONS, timeout=None, **opts
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
 
 
 def _where(url: str) -> str:
@@ -186,6 +190,14 @@ class RedisLimiter:
         # The engine's token counts agree with the provider's (its calibration has settled):
         # alone on the key, it may then burst closer to the provider's bucket (limiter.lua).
         self.settled = False
+
+    async def prepare(self) -> None:
+        """Load the script once before the first wave of acquires: otherwise every one of them
+        gets NOSCRIPT and sends the whole script again."""
+        try:
+            await self._redis.script_load(_SCRIPT)
+        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError):
+            pass  # the acquires load it themselves, and handle the error there
 
     @property
     def max_request_tokens(self) -> int | None:

@@ -25,9 +25,14 @@ from .usage import ProviderLimits
 _MIN_EVIDENCE_S = 0.05
 _VOTES = 4  # evidence saturates here; 2 votes for "window" switch the model
 _OPEN_AFTER_RESET_S = 0.01  # a window is waited on until a little after its reset
-# A request's tokens as the provider counts them can be a few per cent over the engine's
-# estimate (another tokenizer, characters/4: the calibration is right on average only).
+# A request's tokens as the provider counts them can be over the engine's estimate: by a few per
+# cent (another tokenizer, characters/4: the calibration is right on average only), and by a few
+# tokens of framing the calibration's ratio does not scale (JSON, role markers) on short prompts.
 _TOKEN_SLACK = 0.1
+_TOKEN_SLACK_ABS = 32
+# The provider took its snapshot a little after the send (the request's way there): a bucket is
+# credited its refill from this long after the send, not from the send itself.
+_SNAPSHOT_LAG_S = 0.002
 
 
 @dataclass(slots=True)
@@ -84,7 +89,7 @@ class _Dimension:
             return self.reset_at - now + _OPEN_AFTER_RESET_S
         if self.rate_per_s <= 0:
             return 0.0
-        refilled = self.remaining + self.rate_per_s * (now - self.at)
+        refilled = self.remaining + self.rate_per_s * max(0.0, now - self.at - _SNAPSHOT_LAG_S)
         if self.quota > 0:
             refilled = min(refilled, self.quota)  # a bucket holds no more than it showed
         available = refilled - (sent - self.sent_at)
@@ -112,7 +117,7 @@ class ProviderGate:
 
     def wait_s(self, tokens: float, now: float, sent: list[float] | tuple[float, float]) -> float:
         return max(
-            self.tokens.wait_s(tokens * (1 + _TOKEN_SLACK), now, sent[0]),
+            self.tokens.wait_s(tokens * (1 + _TOKEN_SLACK) + _TOKEN_SLACK_ABS, now, sent[0]),
             self.requests.wait_s(1, now, sent[1]),
         )
 

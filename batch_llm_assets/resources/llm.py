@@ -290,6 +290,8 @@ class LLMResource(dg.ConfigurableResource):
                 weight=self.job_weight,
             )
         try:
+            if limiter is not None:
+                await limiter.prepare()
             await self._context_window(settings)
             engine = Engine(settings, transport, limiter)
             yield engine
