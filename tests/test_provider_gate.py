@@ -79,11 +79,11 @@ def test_a_spent_window_holds_the_next_send_until_its_reset():
     wait = gate.wait_s(0, 2.0, [0, 100])
     assert 7.9 < wait <= 8.1
     assert limit.wait_for(1, 2.0) > 0  # the provider agrees
-    # After the reset, a fresh window: its quota (the most the headers showed: 99), less what
-    # went since.
+    # After the reset, a fresh window: what the first gave (100: the most the headers showed
+    # was 99, after its first request), less what went since.
     assert gate.wait_s(0, 10.02, [0, 100]) == 0.0
-    assert gate.wait_s(0, 10.03, [0, 198]) == 0.0
-    assert gate.wait_s(0, 10.04, [0, 199]) > 9.0
+    assert gate.wait_s(0, 10.03, [0, 199]) == 0.0
+    assert gate.wait_s(0, 10.04, [0, 200]) > 9.0
 
 
 def test_a_bucket_is_refilled_at_its_rate():
@@ -150,3 +150,18 @@ def test_a_send_the_snapshot_only_just_covers_waits():
     gate.observe(ProviderLimits(remaining_tokens=130, reset_tokens_s=0.87), 2.0, (1000, 60))
     assert gate.wait_s(100, 2.0, [1000, 60]) > 0  # 100 x 1.1 + 32 = 142 > 130
     assert gate.wait_s(85, 2.0, [1000, 60]) == 0  # 125.5
+
+
+def test_answers_taken_out_of_order_do_not_overfill_a_window():
+    # 100 per 10 s window. The provider took three sends (97-99) after the 100th, so the 100th's
+    # answer says 3 remain: by the latest answer alone, three more could go, and the matrix's
+    # quantized cells got 1-4 429s a run that way. The median of the window's answers holds.
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement="fixed_window", window_s=10.0, now=0.0)
+    _drive(gate, limit, [i * 0.01 for i in range(96)])
+    assert gate.requests.window
+    late = ProviderLimits(remaining_requests=3, reset_requests_s=9.0)
+    gate.observe(late, 1.0, (0, 100))  # the 100th send, its answer first
+    for n in (97, 98, 99):
+        gate.observe(ProviderLimits(remaining_requests=0, reset_requests_s=9.0), 0.99, (0, n))
+    assert gate.wait_s(0, 1.01, [0, 100]) > 8.0

@@ -299,8 +299,9 @@ if op == 'observe' then
   -- in flight make it a little low at times, and a clamp only ever ratchets up. For an engine
   -- alone, a fiftieth of a bucket of seconds is let go (its gate holds the exact remaining).
   local slack = (alone and cap >= 2000) and 0.02 * cap or 0
-  if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, now + burst_ms - slack - tokens / rt) end
-  if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, now + burst_ms - slack - arg15 / rr) end
+  local promise = now + burst_ms - slack
+  if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, promise - tokens / rt) end
+  if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, promise - arg15 / rr) end
   -- A window holds its whole length of our rate at its start, whatever remains now (the
   -- engine holds what the window cannot take until its reset).
   cap = math.max(cap, window_ms)

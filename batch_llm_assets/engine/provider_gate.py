@@ -16,7 +16,8 @@ schedule covers those).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from .usage import ProviderLimits
 
@@ -25,6 +26,9 @@ from .usage import ProviderLimits
 _MIN_EVIDENCE_S = 0.05
 _VOTES = 4  # evidence saturates here; 2 votes for "window" switch the model
 _OPEN_AFTER_RESET_S = 0.01  # a window is waited on until a little after its reset
+# Answers whose resets are this close (or a tenth of the window) are of the same window.
+_SAME_WINDOW_S = 0.05
+_BUDGETS = 31  # a window's latest answers whose median budget is kept
 # A request's tokens as the provider counts them can be over the engine's estimate: by a few per
 # cent (another tokenizer, characters/4: the calibration is right on average only), and by a few
 # tokens of framing the calibration's ratio does not scale (JSON, role markers) on short prompts.
@@ -47,15 +51,28 @@ class _Dimension:
     window_s: float = 0.0  # the longest reset seen: a window's length
     quota: float = 0.0  # the most remaining seen: what a fresh window holds
     votes: int = 0  # > 0: the reset stayed put while the provider was drawn down (a window)
+    budget: float = math.inf  # a window's remaining + this engine's sends (see `observe`)
+    budgets: deque[float] = field(default_factory=lambda: deque(maxlen=_BUDGETS))
+    start_sent: float = 0.0  # this engine's sends before the current window began
+    size: float = 0.0  # what a whole window gave this engine
 
     @property
     def window(self) -> bool:
         return self.votes >= 2 and self.window_s > 0
 
     def observe(self, remaining: float, reset_s: float, at: float, sent_at: float) -> None:
+        reset_at = at + reset_s
+        # What the window gives this engine: remaining + its sends up to the snapshot's. Sends
+        # the provider took in another order than they went make a few answers' too high (a
+        # send made before, taken after: in neither) or too low (the other way round), so the
+        # median of the window's latest answers (older sends' too) is kept.
+        same = abs(reset_at - self.reset_at) < max(_SAME_WINDOW_S, 0.1 * self.window_s)
+        if not same:
+            self.budgets.clear()
+        self.budgets.append(remaining + sent_at)
+        self.budget = sorted(self.budgets)[len(self.budgets) // 2]
         if at < self.at:
             return  # an answer to an earlier send: its snapshot is older
-        reset_at = at + reset_s
         dropped = self.remaining - remaining
         if self.at > -math.inf and dropped > 0 and self.rate_per_s > 0:
             expect = (at - self.at) + dropped / self.rate_per_s  # how far a bucket's would move
@@ -83,8 +100,15 @@ class _Dimension:
                 windows = math.floor((now - self.reset_at) / self.window_s) + 1
                 self.at = self.reset_at + (windows - 1) * self.window_s
                 self.reset_at = self.at + self.window_s
-                self.remaining, self.sent_at = self.quota, sent
-            if self.remaining - (sent - self.sent_at) >= need:
+                # What the window gave this engine (its lowest budget less its sends before
+                # the window) is its size: the most remaining seen is one request short of it.
+                if self.budget < math.inf:
+                    self.size = max(self.size, self.budget - self.start_sent)
+                fresh = max(self.quota, self.size)
+                self.remaining, self.sent_at, self.start_sent = fresh, sent, sent
+                self.budget = fresh + sent
+                self.budgets.clear()
+            if self.budget - sent >= need:
                 return 0.0
             return self.reset_at - now + _OPEN_AFTER_RESET_S
         if self.rate_per_s <= 0:
