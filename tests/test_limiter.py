@@ -408,6 +408,11 @@ def test_an_engine_alone_on_the_key_bursts_closer_to_the_providers_bucket(redis_
         assert await one.observe(full) == pytest.approx(9.0, abs=0.01)  # not settled yet
         one.settled = True
         assert await one.observe(full) == pytest.approx(9.95, abs=0.01)
+        # An observe whose arguments were built before the flag was set (it queued for a
+        # connection) does not take the margin back: the burst flipped between 9 and 9.95 s,
+        # and each widening woke every sleeper to take a fresh slot.
+        one.settled = False
+        assert await one.observe(full) == pytest.approx(9.95, abs=0.01)
         # A second engine (another process) starts on the key: the margin is back.
         client2, two = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
         await two.acquire(10)

@@ -229,9 +229,7 @@ class BatchPartitionRun:
         lines: list[BatchLine] = []
         failed: list[dict[str, Any]] = []
         self._items = {}
-        # A partition with no output rows yet (its first run) has nothing to skip: no lookup
-        # per chunk (each is a query on BigQuery), as in live mode.
-        nothing_done = self.db.count_output(self.spec.output.name, self.partition_key) == 0
+        nothing_done = not self.db.has_output(self.spec.output.name, self.partition_key)
         for chunk in self.db.read_slice(src, self.where, self.spec.chunk_rows):
             ids = [r[src.id_column] for r in chunk]
             done = (

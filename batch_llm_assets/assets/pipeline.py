@@ -173,11 +173,7 @@ class PartitionRun:
                 "that stopped before writing them"
             )
         self.journal.clear()
-        # A partition with no output rows yet (the first run, the common case) has nothing to
-        # skip: the reader then spares the warehouse a lookup per chunk (a query each on BigQuery).
-        self.reader.nothing_done = (
-            self.db.count_output(self.spec.output.name, self.partition_key) == 0
-        )
+        self.reader.nothing_done = not self.db.has_output(self.spec.output.name, self.partition_key)
 
     # -- answers -----------------------------------------------------------------------------
     def _row(self, r: ChatResult, now: datetime) -> dict[str, Any]:

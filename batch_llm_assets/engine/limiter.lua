@@ -294,6 +294,13 @@ if op == 'observe' then
   -- An engine alone on the key whose token counts have settled holds its own sends against
   -- the provider's headers (its provider gate, which allows for the snapshot's lag and the
   -- counting error).
+  -- Settled is for good: an observe sent before the flag was (queued for a connection) must
+  -- not take the margin back, or the burst flips between the two and wakes every sleeper.
+  if settled == 1 then
+    redis.call('HSET', KEYS[1], 'se', engine_id)
+  elseif engine_id ~= '' and redis.call('HGET', KEYS[1], 'se') == engine_id then
+    settled = 1
+  end
   local alone = settled == 1 and engines_now() == 1
   -- The remaining the caller sends is the answer's less its own sends since; answers overtaken
   -- in flight make it a little low at times, and a clamp only ever ratchets up. For an engine

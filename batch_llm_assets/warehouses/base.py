@@ -195,6 +195,12 @@ class WarehouseSession(abc.ABC):
     def count_output(self, table: str, partition_key: str) -> int:
         """Output rows of one partition."""
 
+    def has_output(self, table: str, partition_key: str) -> bool:
+        """Whether a partition has output rows. Its first run (the common case) has none and
+        so nothing to skip: readers then spare the warehouse a lookup per chunk (a query each
+        on BigQuery)."""
+        return self.count_output(table, partition_key) > 0
+
     @abc.abstractmethod
     def list_tables(self, dataset: str, limit: int) -> list[str]:
         """Up to `limit` table names of a dataset (schema), sorted; an error if it is missing."""
