@@ -57,7 +57,7 @@ def run_engine(llm: LLMResource, requests, **engine_kw):
 def state(url, llm: LLMResource) -> dict:
     ns = limiter_namespace(llm.base_url, llm.model, llm.api_key)
     raw = redis.Redis.from_url(url).hgetall(f"{ns}:state")
-    return {k.decode(): float(v) for k, v in raw.items()}
+    return {k.decode(): float(v) for k, v in raw.items() if k != b"se"}  # se: an engine's id
 
 
 # -- error semantics ----------------------------------------------------------------------------
