@@ -293,9 +293,8 @@ if op == 'observe' then
   if rr > 0 and arg15 >= 0 and reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
   -- An engine alone on the key whose token counts have settled holds its own sends against
   -- the provider's headers (its provider gate, which allows for the snapshot's lag and the
-  -- counting error).
-  -- Settled is for good: an observe sent before the flag was (queued for a connection) must
-  -- not take the margin back, or the burst flips between the two and wakes every sleeper.
+  -- counting error). Settled is for good: an observe sent before the flag was (queued for a
+  -- connection) must not take the margin back, or the burst flips and wakes every sleeper.
   if settled == 1 then
     redis.call('HSET', KEYS[1], 'se', engine_id)
   elseif engine_id ~= '' and redis.call('HGET', KEYS[1], 'se') == engine_id then

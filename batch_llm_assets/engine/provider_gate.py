@@ -49,7 +49,7 @@ class _Dimension:
     sent_at: float = 0.0  # this engine's sends in this dimension up to and including that one
     reset_at: float = -math.inf
     window_s: float = 0.0  # the longest reset seen: a window's length
-    quota: float = 0.0  # the most remaining seen: what a fresh window holds
+    quota: float = 0.0  # the most remaining seen (a fresh window holds this or `size`)
     votes: int = 0  # > 0: the reset stayed put while the provider was drawn down (a window)
     budget: float = math.inf  # a window's remaining + this engine's sends (see `observe`)
     budgets: deque[float] = field(default_factory=lambda: deque(maxlen=_BUDGETS))
@@ -100,8 +100,8 @@ class _Dimension:
                 windows = math.floor((now - self.reset_at) / self.window_s) + 1
                 self.at = self.reset_at + (windows - 1) * self.window_s
                 self.reset_at = self.at + self.window_s
-                # What the window gave this engine (its lowest budget less its sends before
-                # the window) is its size: the most remaining seen is one request short of it.
+                # What the window gave this engine (its budget less its sends before the
+                # window) is its size: the most remaining seen is one request short of it.
                 if self.budget < math.inf:
                     self.size = max(self.size, self.budget - self.start_sent)
                 fresh = max(self.quota, self.size)
