@@ -395,6 +395,36 @@ def test_the_burst_grows_to_the_providers_bucket_and_shrinks_on_a_429(redis_url,
     asyncio.run(main())
 
 
+def test_an_answer_seen_late_is_credited_the_refill_since_its_snapshot(redis_url, namespace):
+    # The provider took its snapshot when the request arrived; the answer came back later, and
+    # its observe can wait for a connection for tenths of a second while a burst's answers come
+    # in. The bucket refilled meanwhile: the clamp runs from the snapshot (in Redis's clock,
+    # learnt from the replies), not from when the script runs. Aged from the script, a minute's
+    # bucket was held 1-2 s short in the matrix's first bursts.
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        assert (await lim.acquire(0)).wait_s == 0  # a reply: Redis's clock is learnt
+        empty = ProviderLimits(remaining_tokens=0, reset_tokens_s=0.5)
+        await lim.observe(empty, sent_at=time.monotonic() - 0.3)  # went 300 ms ago
+        # 300 tokens have refilled since: two requests of 250 go now (one may cross the
+        # line, as in any GCRA), the third waits for the rest.
+        waits = [(await lim.acquire(250)).wait_s for _ in range(3)]
+        assert waits[0] == 0 and waits[1] < 0.05, waits
+        assert 0.1 < waits[2] < 0.35, waits
+        await client.aclose()
+        # Without the send's time, the snapshot counts as taken now: the second one waits.
+        client, lim = _limiter(redis_url, namespace + "b", rpm=None, tpm=60_000, burst_s=0.5)
+        await lim.acquire(0)
+        await lim.observe(empty)
+        waits = [(await lim.acquire(250)).wait_s for _ in range(2)]
+        assert waits[1] > 0.2, waits
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("bucket_s", [10, 1])
 def test_an_engine_alone_on_the_key_bursts_closer_to_the_providers_bucket(
     redis_url, namespace, bucket_s

@@ -165,3 +165,84 @@ def test_answers_taken_out_of_order_do_not_overfill_a_window():
     for n in (97, 98, 99):
         gate.observe(ProviderLimits(remaining_requests=0, reset_requests_s=9.0), 0.99, (0, n))
     assert gate.wait_s(0, 1.01, [0, 100]) > 8.0
+
+
+def test_sends_before_the_calibration_count_at_the_ratio_learnt_later():
+    # Found in the matrix's quantized cells with characters/4 counting: the job's first burst
+    # goes out at a ratio of 1 (nothing learnt yet) while the provider counts its prompts 1.5
+    # times the estimate. Counted at the ratio of their send, those sends made the window look
+    # emptier than it was: 1-4 429s at the window's end. The gate weighs them at the ratio the
+    # engine has now. 10,000 tokens per 10 s window; each request: 100 estimated prompt tokens
+    # (150 as the provider counts them) and 50 of max_tokens.
+    gate = ProviderGate(rpm=None, tpm=60_000)
+    limit = make_limit(60_000, enforcement="fixed_window", window_s=10.0, now=0.0)
+    sent = [0, 0, 0]
+    snapshots = []
+    for i in range(40):  # the first burst, before any answer
+        t = i * 0.001
+        assert gate.wait_s(150, t, sent) == 0.0
+        limit.take(200, t)
+        sent = [sent[0] + 100, sent[1] + 1, sent[2] + 50]
+        snapshots.append((t, limit.remaining(t), limit.reset_s(t), tuple(sent)))
+    for t, remaining, reset_s, seen in snapshots[:30]:  # 30 answers are in, in order
+        gate.observe(ProviderLimits(remaining_tokens=remaining, reset_tokens_s=reset_s), t, seen)
+    assert gate.tokens.window
+    gate.set_scale(1.5)  # the calibration learnt from their usage
+    more, t = 0, 0.1
+    while gate.wait_s(200, t, sent) == 0.0:
+        limit.take(200, t)
+        sent = [sent[0] + 100, sent[1] + 1, sent[2] + 50]
+        more += 1
+    assert more > 0
+    assert limit.remaining(t) >= 0 and limit.used <= limit.capacity  # no send over the window
+
+
+def test_a_window_ends_when_its_latest_answer_says():
+    # An answer's reset counts from when the provider took the request, a little after the
+    # send: a send that waited 30 ms on its way makes the window seem to end 30 ms early, and
+    # the next window's first sends arrived before it had begun (the matrix's quantized cells).
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement="fixed_window", window_s=10.0, now=0.0)
+    for i in range(100):  # 100 per window, all taken by t = 1 s
+        sent_at = i * 0.01
+        arrived = sent_at + (0.03 if i == 99 else 0.001)
+        limit.take(1, arrived)
+        gate.observe(
+            ProviderLimits(
+                remaining_requests=limit.remaining(arrived),
+                reset_requests_s=limit.reset_s(arrived),
+            ),
+            sent_at,
+            (0, i + 1),
+        )
+    assert gate.requests.window
+    assert gate.wait_s(0, 9.99, [0, 100]) > 0.01  # not before the window's end at 10 s
+    assert gate.wait_s(0, 10.011, [0, 100]) == 0.0
+
+
+def test_an_answer_overtaken_on_its_way_does_not_shorten_the_schedule():
+    # The provider counts sends in the order they arrive: a request sent before five others
+    # but arriving after them (a new connection) answers with those five gone already, and the
+    # engine, which counted them after it, takes them off once more. The limiter is told the
+    # median of the latest answers' view instead. 100 requests/s in a bucket of 500.
+    from batch_llm_assets.engine.engine import _Remaining
+
+    sends = [i * 0.001 for i in range(30)]
+    arrive = {i: t + 0.0005 for i, t in enumerate(sends)} | {20: sends[25] + 0.0006}
+    limit = make_limit(6000, enforcement="bucket", bucket_s=5.0, now=0.0)
+    in_order = make_limit(6000, enforcement="bucket", bucket_s=5.0, now=0.0)
+    snapshot, expected = {}, {}
+    for i in sorted(arrive, key=arrive.get):
+        limit.take(1, arrive[i])
+        snapshot[i] = (limit.remaining(arrive[i]), limit.reset_s(arrive[i]))
+    for i, t in enumerate(sends):  # had every request arrived in the order it went
+        in_order.take(1, t + 0.0005)
+        expected[i] = in_order.remaining(t + 0.0005)
+    remaining = _Remaining()
+    told = {}
+    for i, t in enumerate(sends):  # answers in the order they went
+        left, reset_s = snapshot[i]
+        limits = ProviderLimits(remaining_requests=left, reset_requests_s=reset_s)
+        told[i] = remaining.of(limits, t, (0, i + 1), None, 6000).remaining_requests
+    assert snapshot[20][0] <= expected[20] - 4  # its own answer: five more gone
+    assert all(abs(told[i] - expected[i]) <= 1 for i in range(30)), (told, expected)

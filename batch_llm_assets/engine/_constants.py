@@ -55,6 +55,9 @@ CALIBRATION_MIN = 0.5
 # Answers whose usage the calibration has seen before the engine counts as settled (limiter.py).
 CALIBRATION_SETTLED = 16
 CALIBRATION_MAX = 4.0
+# The calibration is the provider's prompt tokens over the estimate's, summed over about this
+# many latest answers (older ones fade): a ratio of sums, as the limits count sums.
+CALIBRATION_ANSWERS = 64
 # How long a limiter call waits out an unreachable Redis before the request fails.
 LIMITER_OUTAGE_S = 60.0
 
@@ -91,3 +94,11 @@ def context_window_for(model: str) -> int | None:
         if model.startswith(prefix) and (best is None or len(prefix) > len(best)):
             best = prefix
     return CONTEXT_WINDOWS[best] if best else None
+
+
+# The provider took its snapshot a little after the send (the request's way there): a bucket is
+# credited its refill from this long after the send (provider_gate.py, the limiter's observe).
+SNAPSHOT_LAG_S = 0.002
+# The limiter is told the median of this many latest answers' remaining (engine.py, `_Remaining`).
+REMAINING_ANSWERS = 15
+REMAINING_WITHIN_S = 0.25  # of those sent within this much of the answer's own send

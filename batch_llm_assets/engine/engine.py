@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -179,9 +180,14 @@ class Engine:
         # charge, so the schedule is right before the answers reconcile it.
         self._calibration = 1.0
         self._calibrated = 0
+        self._calibration_sums = [0.0, 0.0]  # provider's prompt tokens, estimated (fading)
         # Tokens (reserved) and requests sent since the start: what went after a request is
         # what its answer's x-ratelimit-remaining cannot show yet.
         self._sent = [0, 0]
+        # The same sends for the provider gate: estimated prompt tokens, requests, max_tokens.
+        # The gate weighs the first at the calibration it has now, not the one at the send.
+        self._gate_sent = [0, 0, 0]
+        self._remaining = _Remaining()  # what the latest answers say remains, for the limiter
         # What the provider's headers say it can take now, held against those sends.
         self._gate = ProviderGate(rpm=limiter.rpm, tpm=limiter.tpm) if limiter is not None else None
         self.token_param = settings.token_param or token_param_for(settings.model)
@@ -420,16 +426,20 @@ class Engine:
             started = time.perf_counter()
             first_send = first_send or started
             sent_at = time.monotonic()
-            sent = self._sent
+            sent, gate_sent = self._sent, self._gate_sent
             sent[0] += reserve
             sent[1] += 1
             seen = (sent[0], sent[1])
+            gate_sent[0] += estimate - max_tokens
+            gate_sent[1] += 1
+            gate_sent[2] += max_tokens
+            gate_seen = tuple(gate_sent)
             try:
                 resp = await self.transport.chat(body, timeout)
             except E.ProviderError as exc:
                 st.last = exc
                 if exc.status == 429 and self._gate is not None:
-                    self._gate.observe(parse_limits(exc.headers), sent_at, seen)
+                    self._gate.observe(parse_limits(exc.headers), sent_at, gate_seen)
                 # Typed outputs: a provider that refuses the JSON form refuses every row alike.
                 rejected = req.validate is not None and S.rejects_structured(exc)
                 if rejected:
@@ -454,7 +464,7 @@ class Engine:
                 continue
             ended = time.perf_counter()
             self.breaker.success()
-            self._feed_back(estimate, reserve, max_tokens, resp, seen, sent_at)
+            self._feed_back(estimate, reserve, max_tokens, resp, seen, (sent_at, gate_seen))
             prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
                 estimate, max_tokens, resp
             )
@@ -496,9 +506,13 @@ class Engine:
         pause began after it was granted (the held requests must not all go when it ends)."""
         if self.limiter is None:
             return Grant(0.0, 1.0, True, 1.0, 0)
+        given_up: Grant | None = None  # a slot to give back once the fresh one is held
         for attempt in range(C.MAX_FRESH_SLOTS):
             wakes = self._wakes
             grant = await self.limiter.acquire(estimate, deadline=deadline)
+            if given_up is not None:
+                await self._refund(given_up, estimate)
+                given_up = None
             if deadline is not None and time.monotonic() + grant.wait_s > deadline:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
                     await self._refund(grant, estimate)
@@ -516,7 +530,13 @@ class Engine:
             if not stale and not late:
                 return grant
             last = attempt == C.MAX_FRESH_SLOTS - 1
-            if not last:
+            if not last and woke and hold <= 0 and not late:
+                # Woken by a wider burst: the slot is given back once the fresh one is held. A
+                # refund first left the schedule short for a moment, and an observe in that
+                # moment clamped it there (to what the provider showed): the fresh acquire then
+                # counted the request twice (up to a second of a minute's bucket, per wave).
+                given_up = grant
+            elif not last:
                 await self._refund(grant, estimate)
             if hold > 0:
                 st.waited += hold
@@ -544,7 +564,7 @@ class Engine:
         before its reset, a bucket the provider counts otherwise); False if the deadline
         would pass first."""
         assert self._gate is not None
-        while (wait := self._gate.wait_s(reserve, time.monotonic(), self._sent)) > 0:
+        while (wait := self._gate.wait_s(reserve, time.monotonic(), self._gate_sent)) > 0:
             if deadline is not None and time.monotonic() + wait >= deadline:
                 return False
             await asyncio.sleep(min(wait, C.MAX_SHARED_PAUSE_S))
@@ -638,20 +658,22 @@ class Engine:
         max_tokens: int,
         resp: ChatResponse,
         seen: tuple[int, int],
-        sent_at: float,
+        gate_seen: tuple[float, tuple[int, ...]],
     ) -> None:
         """Start `_after_answer` beside the row, not before it: the answer goes to the caller
         (the journal) at once, never after a wait on Redis. `drain` awaits what is left. The
         provider gate learns from the headers at once."""
         if self.limiter is None or self._gate is None:
             return
+        if resp.usage is not None:
+            self._calibrate(estimate, max_tokens, resp.usage.prompt_tokens)
         limits = parse_limits(resp.headers)
         if not limits.empty:
             self._gate.set_rates(rpm=self.limiter.rpm, tpm=self.limiter.tpm)
-            self._gate.observe(limits, sent_at, seen)
+            self._gate.observe(limits, *gate_seen)
             self.limiter.window_s = self._gate.window_s
         task = asyncio.ensure_future(
-            self._after_answer(estimate, reserve, max_tokens, resp, limits, seen)
+            self._after_answer(estimate, reserve, max_tokens, resp, limits, seen, gate_seen[0])
         )
         self._feedback.add(task)
         task.add_done_callback(self._feedback_done)
@@ -675,17 +697,21 @@ class Engine:
         return min(reserve, self.limiter.max_request_tokens or reserve)
 
     def _calibrate(self, estimate: int, max_tokens: int, usage_prompt: int) -> None:
-        """Learn the provider's prompt tokens per estimated one (a running mean over the first
-        answers, then an average that moves a tenth of the way per answer)."""
+        """Learn the provider's prompt tokens per estimated one: the ratio of the sums over
+        the latest answers (`CALIBRATION_ANSWERS`), so one odd prompt moves it little."""
         prompt = estimate - max_tokens
         if prompt <= 0 or usage_prompt <= 0:
             return
         self._calibrated += 1
         if self._calibrated >= C.CALIBRATION_SETTLED and self.limiter is not None:
             self.limiter.settled = True
-        ratio = min(C.CALIBRATION_MAX, max(C.CALIBRATION_MIN, usage_prompt / prompt))
-        weight = max(0.1, 1 / self._calibrated)
-        self._calibration += weight * (ratio - self._calibration)
+        sums, keep = self._calibration_sums, 1 - 1 / C.CALIBRATION_ANSWERS
+        sums[0] = sums[0] * keep + usage_prompt
+        sums[1] = sums[1] * keep + prompt
+        ratio = sums[0] / sums[1]
+        self._calibration = min(C.CALIBRATION_MAX, max(C.CALIBRATION_MIN, ratio))
+        if self._gate is not None:
+            self._gate.set_scale(self._calibration)
 
     async def _after_answer(
         self,
@@ -695,6 +721,7 @@ class Engine:
         resp: ChatResponse,
         limits: ProviderLimits,
         seen: tuple[int, int],
+        sent_at: float,
     ) -> None:
         """Feed the provider's state back: its limit headers, and the reservation's error.
 
@@ -704,6 +731,7 @@ class Engine:
         if self.limiter is None:
             return
         if not limits.empty:
+            limits = self._remaining.of(limits, sent_at, seen, self.limiter.tpm, self.limiter.rpm)
             limits = _less_unseen(
                 limits,
                 self._sent[0] - seen[0],
@@ -712,7 +740,7 @@ class Engine:
                 self.limiter.rpm,
             )
             try:
-                burst = await self.limiter.observe(limits)
+                burst = await self.limiter.observe(limits, sent_at=sent_at)
             except E.LimiterUnavailableError:
                 burst = self._burst_s
             # Wake on a real widening only (a half, or a configured burst more: 54 s to 59.95 s
@@ -727,7 +755,6 @@ class Engine:
                 self._burst_s = burst
         if resp.usage is None:
             return
-        self._calibrate(estimate, max_tokens, resp.usage.prompt_tokens)
         answer = max_tokens
         if self.s.refund_unused_completion:
             answer = resp.usage.completion_tokens
@@ -742,6 +769,62 @@ class Engine:
 def _resolve(future: asyncio.Future[bool], value: bool) -> None:
     if not future.done():
         future.set_result(value)
+
+
+class _Remaining:
+    """The provider's remaining at an answer's snapshot, as the median of the latest answers'.
+
+    The provider counts sends in the order they arrive, not the order this engine counted them
+    (a request on a new connection goes out later than one on a reused one): an answer whose
+    request was overtaken shows the overtakers gone already, and `_less_unseen` takes them off
+    again. In a job's first burst that made the schedule's clamp a second or two short on a
+    minute's bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate
+    (up to the bucket) to this answer's time, is its view; the median of the latest views
+    stands for this answer's."""
+
+    def __init__(self) -> None:
+        self._tokens: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
+        self._requests: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
+
+    def of(
+        self,
+        limits: ProviderLimits,
+        at: float,
+        seen: tuple[int, int],
+        tpm: int | None,
+        rpm: int | None,
+    ) -> ProviderLimits:
+        tokens = self._median(
+            self._tokens, limits.remaining_tokens, limits.reset_tokens_s, at, seen[0], tpm
+        )
+        requests = self._median(
+            self._requests, limits.remaining_requests, limits.reset_requests_s, at, seen[1], rpm
+        )
+        return replace(limits, remaining_tokens=tokens, remaining_requests=requests)
+
+    @staticmethod
+    def _median(
+        views: deque[tuple[float, float, float, float]],
+        remaining: int | None,
+        reset_s: float | None,
+        at: float,
+        seen: int,
+        per_min: int | None,
+    ) -> int | None:
+        if remaining is None or reset_s is None or not per_min:
+            return remaining
+        rate = per_min / 60
+        views.append((at, remaining, remaining + reset_s * rate, seen))
+        # Views of the same burst only: an older one lacks the sends of other processes on the
+        # key since, which the refill at the rate does not make up for.
+        levels = sorted(
+            min(full, r + rate * (at - t)) + n
+            for t, r, full, n in views
+            if abs(at - t) <= C.REMAINING_WITHIN_S
+        )
+        if len(levels) < 3:
+            return remaining
+        return max(0, math.floor(levels[len(levels) // 2] - seen))
 
 
 def _less_unseen(

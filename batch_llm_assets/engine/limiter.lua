@@ -40,10 +40,11 @@
 --          | remaining requests (observe; -1 unknown), 16 reset tokens ms (observe; -1),
 --       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms,
 --       20 the provider's window ms when it enforces windows (observe; 0: a bucket),
---       21 this engine's id (one per process and run), 22 its token counts have settled (0|1)
+--       21 this engine's id (one per process and run), 22 its token counts have settled (0|1),
+--       23 when the provider took the answer's snapshot, in Redis ms (observe; 0 unknown)
 -- observe: ARGV 12 is the remaining tokens (-1 unknown).
 -- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms when
--- granted | the ticket to come back with when deferred}
+-- granted | the ticket to come back with when deferred, and when granted Redis now in us}
 
 pcall(redis.replicate_commands)
 
@@ -71,6 +72,9 @@ local burst_cap = tonumber(ARGV[19]) or burst
 local window_ms = tonumber(ARGV[20]) or 0
 local engine_id = ARGV[21] or ''
 local settled = tonumber(ARGV[22]) or 0
+-- observe: how long ago the provider took its snapshot (0 when unknown).
+local snapshot = tonumber(ARGV[23]) or 0
+local age = snapshot > 0 and math.max(0, now - snapshot) or 0
 
 local st = redis.call('HMGET', KEYS[1], 'tr', 'tt', 'f', 'ft', 'pause', 'dec', 'ts', 'fr', 'lb', 'fl')
 local vst = redis.call('HMGET', KEYS[1], 'v', 'vt')
@@ -305,7 +309,9 @@ if op == 'observe' then
   -- in flight make it a little low at times, and a clamp only ever ratchets up. For an engine
   -- alone, a fiftieth of a bucket of seconds is let go (its gate holds the exact remaining).
   local slack = (alone and cap >= 2000) and 0.02 * cap or 0
-  local promise = now + burst_ms - slack
+  -- The bucket has refilled since the snapshot (the answer's time on its way back, and this
+  -- call's wait for a connection): the promise runs from the snapshot, not from now.
+  local promise = now - age + burst_ms - slack
   if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, promise - tokens / rt) end
   if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, promise - arg15 / rr) end
   -- A window holds its whole length of our rate at its start, whatever remains now (the
@@ -318,7 +324,8 @@ if op == 'observe' then
   local margin = alone and 50 or math.max(burst, 0.1 * cap)
   if cap > 0 and now - dec >= cooldown then lb = cap - margin end
   save_state()
-  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap)))}
+  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap))),
+          math.floor(now * 1000)}
 end
 
 -- acquire
@@ -399,4 +406,4 @@ if rt > 0 then tt = math.max(tt, s) + ct end
 if extra == 0 then note_usage(math.max(cr, ct)) end
 save_state()
 return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active,
-        math.floor(s)}
+        math.floor(s), math.floor(now * 1000)}

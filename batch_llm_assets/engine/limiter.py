@@ -190,6 +190,7 @@ class RedisLimiter:
         # The engine's token counts agree with the provider's (its calibration has settled):
         # alone on the key, it may then burst closer to the provider's bucket (limiter.lua).
         self.settled = False
+        self._clock_ms = -math.inf  # Redis ms less time.monotonic() ms (see `_note_clock`)
 
     async def prepare(self) -> None:
         """Load the script once before the first wave of acquires: otherwise every one of them
@@ -221,6 +222,7 @@ class RedisLimiter:
         *,
         wait: bool = True,
         more: tuple[float, float, float] = (0, -1, -1),
+        snapshot_ms: float = 0.0,
     ) -> list[int]:
         s = self.settings
         args = [
@@ -244,6 +246,7 @@ class RedisLimiter:
             self.window_s * 1000,
             self.engine_id,
             int(self.settled),
+            snapshot_ms,
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1
@@ -282,6 +285,7 @@ class RedisLimiter:
             # A grant's sixth value is its send time; a deferral's, the ticket: the time its
             # job reserved for it on the limiter's virtual clock.
             slot = int(res[5]) if granted and len(res) > 5 else 0
+            self._note_clock(res, 6)
             grant = Grant(
                 wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot, asked_at
             )
@@ -305,9 +309,13 @@ class RedisLimiter:
         res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1))
         return res[2] / 1e6
 
-    async def observe(self, limits: ProviderLimits) -> float:
+    async def observe(self, limits: ProviderLimits, *, sent_at: float | None = None) -> float:
         """Fold the provider's x-ratelimit-* state into the shared schedule; returns the burst
-        (seconds) now in force, grown to the provider's bucket as its headers show it."""
+        (seconds) now in force, grown to the provider's bucket as its headers show it.
+
+        `sent_at` (time.monotonic()): when the request whose answer this is went. The provider
+        took its snapshot on arrival, so its bucket has refilled since: by the time the answer
+        is back (seconds, for a model that writes a long answer) and this call runs."""
         self._adopt_limits(limits)
         if limits.remaining_tokens is None and limits.remaining_requests is None:
             return self.settings.burst_s
@@ -315,6 +323,9 @@ class RedisLimiter:
         def ms(v: float | None) -> float:
             return -1 if v is None else v * 1000
 
+        snapshot_ms = 0.0
+        if sent_at is not None and self._clock_ms > -math.inf:
+            snapshot_ms = (sent_at + C.SNAPSHOT_LAG_S) * 1000 + self._clock_ms
         res = await self._call(
             "observe",
             -1 if limits.remaining_tokens is None else limits.remaining_tokens,
@@ -324,8 +335,22 @@ class RedisLimiter:
                 ms(limits.reset_tokens_s),
                 ms(limits.reset_requests_s),
             ),
+            snapshot_ms=snapshot_ms,
         )
+        self._note_clock(res, 6)
         return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
+
+    def _note_clock(self, res: list[int], at: int) -> None:
+        """Learn Redis's clock against time.monotonic() from a reply carrying Redis now (us).
+
+        Redis ran the script before the reply came back, so `redis now - monotonic at the
+        reply` is at most the true offset; the largest seen is the closest. An observe's
+        snapshot time is sent in Redis's clock: its call can wait for a connection for tenths
+        of a second while the answers of a burst come in, and a snapshot aged from when the
+        script runs would be that much too young (the schedule held that much short)."""
+        if len(res) > at:
+            sample = int(res[at]) / 1000 - time.monotonic() * 1000
+            self._clock_ms = max(sample, self._clock_ms)
 
     def _adopt_limits(self, limits: ProviderLimits) -> None:
         """Lower rpm/tpm to what x-ratelimit-limit-* (with remaining and reset) says; once."""

@@ -10,15 +10,20 @@ moves later as it is drawn down, a window's stays put. It then holds a send that
 would refuse until the bucket has refilled or the window has reset.
 
 Per engine: sends of other processes after the latest answer are not seen here (the shared
-schedule covers those).
+schedule covers those). The engine's tokens are counted as (estimated prompt tokens, fixed
+tokens) and weighed at the engine's *current* calibration (`scale`), also those sent before it
+was known: a job's first burst goes out at a ratio of 1 and the provider's count can be a third
+more, which a count fixed at send time kept for the rest of the window.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from . import _constants as C
 from .usage import ProviderLimits
 
 # A pair of answers says something about the provider's kind only when a bucket's reset would
@@ -34,43 +39,64 @@ _BUDGETS = 31  # a window's latest answers whose median budget is kept
 # tokens of framing the calibration's ratio does not scale (JSON, role markers) on short prompts.
 _TOKEN_SLACK = 0.1
 _TOKEN_SLACK_ABS = 32
-# The provider took its snapshot a little after the send (the request's way there): a bucket is
-# credited its refill from this long after the send, not from the send itself.
-_SNAPSHOT_LAG_S = 0.002
+_SNAPSHOT_LAG_S = C.SNAPSHOT_LAG_S
+
+
+Sent = tuple[float, float]  # (units the scale weighs, units it does not): see `_Dimension.count`
 
 
 @dataclass(slots=True)
 class _Dimension:
-    """Requests or tokens: the latest snapshot of the provider's state, and its kind."""
+    """Requests or tokens: the latest snapshot of the provider's state, and its kind.
+
+    The engine's sends are pairs (scaled, fixed), counted as `scale x scaled + fixed` when used:
+    for tokens, (estimated prompt tokens, max_tokens); for requests, (0, requests)."""
 
     rate_per_s: float  # the limit's refill rate (what the limiter paces at)
+    scale: float = 1.0  # the provider's count per scaled unit (the engine's calibration)
     remaining: float = math.inf
     at: float = -math.inf  # time.monotonic() of the send whose answer carried the snapshot
-    sent_at: float = 0.0  # this engine's sends in this dimension up to and including that one
+    sent_at: Sent = (0.0, 0.0)  # this engine's sends up to and including that one
     reset_at: float = -math.inf
     window_s: float = 0.0  # the longest reset seen: a window's length
     quota: float = 0.0  # the most remaining seen (a fresh window holds this or `size`)
     votes: int = 0  # > 0: the reset stayed put while the provider was drawn down (a window)
-    budget: float = math.inf  # a window's remaining + this engine's sends (see `observe`)
-    budgets: deque[float] = field(default_factory=lambda: deque(maxlen=_BUDGETS))
-    start_sent: float = 0.0  # this engine's sends before the current window began
+    # A window's latest answers: (remaining, sends up to it), whose median budget is used.
+    budgets: deque[tuple[float, Sent]] = field(default_factory=lambda: deque(maxlen=_BUDGETS))
+    fresh: float | None = None  # a new window's remaining until its first answer
+    start_sent: Sent = (0.0, 0.0)  # this engine's sends before the current window began
     size: float = 0.0  # what a whole window gave this engine
 
     @property
     def window(self) -> bool:
         return self.votes >= 2 and self.window_s > 0
 
-    def observe(self, remaining: float, reset_s: float, at: float, sent_at: float) -> None:
+    def count(self, sent: Sent) -> float:
+        return self.scale * sent[0] + sent[1]
+
+    @property
+    def budget(self) -> float:
+        """What the window gives this engine: remaining + its sends up to the snapshot's. Sends
+        the provider took in another order than they went make a few answers' too high (a send
+        made before, taken after: in neither) or too low (the other way round), so the median
+        of the window's latest answers (older sends' too) is used."""
+        if self.budgets:
+            return sorted(r + self.count(s) for r, s in self.budgets)[len(self.budgets) // 2]
+        if self.fresh is not None:
+            return self.fresh + self.count(self.start_sent)
+        return math.inf
+
+    def observe(self, remaining: float, reset_s: float, at: float, sent_at: Sent) -> None:
         reset_at = at + reset_s
-        # What the window gives this engine: remaining + its sends up to the snapshot's. Sends
-        # the provider took in another order than they went make a few answers' too high (a
-        # send made before, taken after: in neither) or too low (the other way round), so the
-        # median of the window's latest answers (older sends' too) is kept.
         same = abs(reset_at - self.reset_at) < max(_SAME_WINDOW_S, 0.1 * self.window_s)
         if not same:
-            self.budgets.clear()
-        self.budgets.append(remaining + sent_at)
-        self.budget = sorted(self.budgets)[len(self.budgets) // 2]
+            self.budgets.clear()  # another window's
+        self.budgets.append((remaining, sent_at))
+        if self.window and same:
+            # The provider's clock started on arrival, after `at`: the latest end seen is the
+            # closest to the window's (a send on the earliest one arrived before the reset).
+            reset_at = max(reset_at, self.reset_at)
+            self.reset_at = reset_at
         if at < self.at:
             return  # an answer to an earlier send: its snapshot is older
         dropped = self.remaining - remaining
@@ -89,7 +115,7 @@ class _Dimension:
         self.window_s = max(self.window_s, reset_s)
         self.quota = max(self.quota, remaining)
 
-    def wait_s(self, cost: float, now: float, sent: float) -> float:
+    def wait_s(self, cost: float, now: float, sent: Sent) -> float:
         """How long a send of `cost` must wait for the provider to have it; 0: send now."""
         if self.at == -math.inf:
             return 0.0
@@ -103,12 +129,11 @@ class _Dimension:
                 # What the window gave this engine (its budget less its sends before the
                 # window) is its size: the most remaining seen is one request short of it.
                 if self.budget < math.inf:
-                    self.size = max(self.size, self.budget - self.start_sent)
-                fresh = max(self.quota, self.size)
-                self.remaining, self.sent_at, self.start_sent = fresh, sent, sent
-                self.budget = fresh + sent
+                    self.size = max(self.size, self.budget - self.count(self.start_sent))
+                self.remaining = self.fresh = max(self.quota, self.size)
+                self.sent_at = self.start_sent = sent
                 self.budgets.clear()
-            if self.budget - sent >= need:
+            if self.budget - self.count(sent) >= need:
                 return 0.0
             return self.reset_at - now + _OPEN_AFTER_RESET_S
         if self.rate_per_s <= 0:
@@ -116,12 +141,13 @@ class _Dimension:
         refilled = self.remaining + self.rate_per_s * max(0.0, now - self.at - _SNAPSHOT_LAG_S)
         if self.quota > 0:
             refilled = min(refilled, self.quota)  # a bucket holds no more than it showed
-        available = refilled - (sent - self.sent_at)
+        available = refilled - (self.count(sent) - self.count(self.sent_at))
         return 0.0 if available >= need else (need - available) / self.rate_per_s
 
 
 class ProviderGate:
-    """Requests and tokens (see the module). `sent` is the engine's [tokens, requests] counter."""
+    """Requests and tokens (see the module). `sent` is the engine's counter: [estimated prompt
+    tokens, requests, fixed tokens] (the last may be left out: 0)."""
 
     def __init__(self, *, rpm: int | None, tpm: int | None) -> None:
         self.tokens = _Dimension((tpm or 0) / 60)
@@ -131,18 +157,29 @@ class ProviderGate:
         self.tokens.rate_per_s = (tpm or 0) / 60
         self.requests.rate_per_s = (rpm or 0) / 60
 
-    def observe(self, limits: ProviderLimits, at: float, sent: tuple[float, float]) -> None:
+    def set_scale(self, scale: float) -> None:
+        """The provider's tokens per estimated prompt token, as the engine has learnt it."""
+        self.tokens.scale = scale
+
+    @staticmethod
+    def _split(sent: Sequence[float]) -> tuple[Sent, Sent]:
+        return (sent[0], sent[2] if len(sent) > 2 else 0.0), (0.0, sent[1])
+
+    def observe(self, limits: ProviderLimits, at: float, sent: Sequence[float]) -> None:
         """Fold in one answer's x-ratelimit-* for the send made at `at`, when
         this engine had sent `sent` (that send included)."""
+        tokens, requests = self._split(sent)
         if limits.remaining_tokens is not None and limits.reset_tokens_s is not None:
-            self.tokens.observe(limits.remaining_tokens, limits.reset_tokens_s, at, sent[0])
+            self.tokens.observe(limits.remaining_tokens, limits.reset_tokens_s, at, tokens)
         if limits.remaining_requests is not None and limits.reset_requests_s is not None:
-            self.requests.observe(limits.remaining_requests, limits.reset_requests_s, at, sent[1])
+            self.requests.observe(limits.remaining_requests, limits.reset_requests_s, at, requests)
 
-    def wait_s(self, tokens: float, now: float, sent: list[float] | tuple[float, float]) -> float:
+    def wait_s(self, tokens: float, now: float, sent: Sequence[float]) -> float:
+        """How long a send of `tokens` (the engine's reservation) must wait; 0: send now."""
+        in_tokens, in_requests = self._split(sent)
         return max(
-            self.tokens.wait_s(tokens * (1 + _TOKEN_SLACK) + _TOKEN_SLACK_ABS, now, sent[0]),
-            self.requests.wait_s(1, now, sent[1]),
+            self.tokens.wait_s(tokens * (1 + _TOKEN_SLACK) + _TOKEN_SLACK_ABS, now, in_tokens),
+            self.requests.wait_s(1, now, in_requests),
         )
 
     @property
