@@ -400,7 +400,7 @@ def test_an_answer_seen_late_is_credited_the_refill_since_its_snapshot(redis_url
     # its observe can wait for a connection for tenths of a second while a burst's answers come
     # in. The bucket refilled meanwhile: the clamp runs from the snapshot (in Redis's clock,
     # learnt from the replies), not from when the script runs. Aged from the script, a minute's
-    # bucket was held 1-2 s short in the matrix's first bursts.
+    # bucket was held 1-2 s short in the matrix's first bursts. For an engine alone on the key.
     from batch_llm_assets.engine.usage import ProviderLimits
 
     async def main():
@@ -421,6 +421,17 @@ def test_an_answer_seen_late_is_credited_the_refill_since_its_snapshot(redis_url
         waits = [(await lim.acquire(250)).wait_s for _ in range(2)]
         assert waits[1] > 0.2, waits
         await client.aclose()
+        # Nor with another engine on the key: its sends since the snapshot are not in the
+        # remaining this one reports, and at their rate they about take the refill.
+        client, lim = _limiter(redis_url, namespace + "c", rpm=None, tpm=60_000, burst_s=0.5)
+        client2, other = _limiter(redis_url, namespace + "c", rpm=None, tpm=60_000, burst_s=0.5)
+        await lim.acquire(0)
+        await other.acquire(0)
+        await lim.observe(empty, sent_at=time.monotonic() - 0.3)
+        waits = [(await lim.acquire(250)).wait_s for _ in range(2)]
+        assert waits[1] > 0.2, waits
+        await client.aclose()
+        await client2.aclose()
 
     asyncio.run(main())
 

@@ -530,11 +530,13 @@ class Engine:
             if not stale and not late:
                 return grant
             last = attempt == C.MAX_FRESH_SLOTS - 1
-            if not last and woke and hold <= 0 and not late:
+            if not last and woke and hold <= 0 and not late and grant.share >= 1:
                 # Woken by a wider burst: the slot is given back once the fresh one is held. A
                 # refund first left the schedule short for a moment, and an observe in that
                 # moment clamped it there (to what the provider showed): the fresh acquire then
                 # counted the request twice (up to a second of a minute's bucket, per wave).
+                # Only for the one job on the key: with others, the refund's credit is what
+                # lets the fresh acquire past the job's share.
                 given_up = grant
             elif not last:
                 await self._refund(grant, estimate)
@@ -731,7 +733,9 @@ class Engine:
         if self.limiter is None:
             return
         if not limits.empty:
-            limits = self._remaining.of(limits, sent_at, seen, self.limiter.tpm, self.limiter.rpm)
+            views = self._remaining.of(limits, sent_at, seen, self.limiter.tpm, self.limiter.rpm)
+            if self.limiter.alone:  # others' sends since an older view are not in it
+                limits = views
             limits = _less_unseen(
                 limits,
                 self._sent[0] - seen[0],
@@ -780,7 +784,8 @@ class _Remaining:
     again. In a job's first burst that made the schedule's clamp a second or two short on a
     minute's bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate
     (up to the bucket) to this answer's time, is its view; the median of the latest views
-    stands for this answer's."""
+    stands for this answer's. For an engine alone on the key only: with others, a view lacks
+    their sends since, which only the latest answer shows."""
 
     def __init__(self) -> None:
         self._tokens: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
@@ -815,8 +820,8 @@ class _Remaining:
             return remaining
         rate = per_min / 60
         views.append((at, remaining, remaining + reset_s * rate, seen))
-        # Views of the same burst only: an older one lacks the sends of other processes on the
-        # key since, which the refill at the rate does not make up for.
+        # Views of the same burst only: an older one is refilled over longer, at the rate the
+        # engine knows, which may not be the provider's.
         levels = sorted(
             min(full, r + rate * (at - t)) + n
             for t, r, full, n in views

@@ -304,14 +304,17 @@ if op == 'observe' then
   elseif engine_id ~= '' and redis.call('HGET', KEYS[1], 'se') == engine_id then
     settled = 1
   end
-  local alone = settled == 1 and engines_now() == 1
+  local engines = engines_now()
+  local alone = settled == 1 and engines == 1
   -- The remaining the caller sends is the answer's less its own sends since; answers overtaken
   -- in flight make it a little low at times, and a clamp only ever ratchets up. For an engine
   -- alone, a fiftieth of a bucket of seconds is let go (its gate holds the exact remaining).
   local slack = (alone and cap >= 2000) and 0.02 * cap or 0
   -- The bucket has refilled since the snapshot (the answer's time on its way back, and this
-  -- call's wait for a connection): the promise runs from the snapshot, not from now.
-  local promise = now - age + burst_ms - slack
+  -- call's wait for a connection): for an engine alone on the key the promise runs from the
+  -- snapshot, not from now. Other engines' sends since are not in the remaining it reports,
+  -- and at their rate they about take the refill: for engines that share the key, from now.
+  local promise = (engines == 1 and now - age or now) + burst_ms - slack
   if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, promise - tokens / rt) end
   if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, promise - arg15 / rr) end
   -- A window holds its whole length of our rate at its start, whatever remains now (the
@@ -325,7 +328,7 @@ if op == 'observe' then
   if cap > 0 and now - dec >= cooldown then lb = cap - margin end
   save_state()
   return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap))),
-          math.floor(now * 1000)}
+          math.floor(now * 1000), engines}
 end
 
 -- acquire

@@ -191,6 +191,7 @@ class RedisLimiter:
         # alone on the key, it may then burst closer to the provider's bucket (limiter.lua).
         self.settled = False
         self._clock_ms = -math.inf  # Redis ms less time.monotonic() ms (see `_note_clock`)
+        self.alone = False  # the only engine on the key, as of the latest observe
 
     async def prepare(self) -> None:
         """Load the script once before the first wave of acquires: otherwise every one of them
@@ -338,6 +339,8 @@ class RedisLimiter:
             snapshot_ms=snapshot_ms,
         )
         self._note_clock(res, 6)
+        if len(res) > 7:
+            self.alone = int(res[7]) == 1
         return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
 
     def _note_clock(self, res: list[int], at: int) -> None:
