@@ -225,7 +225,7 @@ def test_an_answer_overtaken_on_its_way_does_not_shorten_the_schedule():
     # but arriving after them (a new connection) answers with those five gone already, and the
     # engine, which counted them after it, takes them off once more. The limiter is told the
     # median of the latest answers' view instead. 100 requests/s in a bucket of 500.
-    from batch_llm_assets.engine.engine import _Remaining
+    from batch_llm_assets.engine.provider_gate import RemainingViews
 
     sends = [i * 0.001 for i in range(30)]
     arrive = {i: t + 0.0005 for i, t in enumerate(sends)} | {20: sends[25] + 0.0006}
@@ -238,7 +238,7 @@ def test_an_answer_overtaken_on_its_way_does_not_shorten_the_schedule():
     for i, t in enumerate(sends):  # had every request arrived in the order it went
         in_order.take(1, t + 0.0005)
         expected[i] = in_order.remaining(t + 0.0005)
-    remaining = _Remaining()
+    remaining = RemainingViews()
     told = {}
     for i, t in enumerate(sends):  # answers in the order they went
         left, reset_s = snapshot[i]

@@ -99,6 +99,6 @@ def context_window_for(model: str) -> int | None:
 # The provider took its snapshot a little after the send (the request's way there): a bucket is
 # credited its refill from this long after the send (provider_gate.py, the limiter's observe).
 SNAPSHOT_LAG_S = 0.002
-# The limiter is told the median of this many latest answers' remaining (engine.py, `_Remaining`).
+# The limiter is told the median of this many latest answers' remaining (`RemainingViews`).
 REMAINING_ANSWERS = 15
 REMAINING_WITHIN_S = 0.25  # of those sent within this much of the answer's own send

@@ -14,7 +14,6 @@ import logging
 import math
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,7 +25,7 @@ from .breaker import Breaker
 from .limiter import Grant, RedisLimiter
 from .outcome import TRUNCATED, classify_answer, tools_requested
 from .profiles import token_param_for
-from .provider_gate import ProviderGate
+from .provider_gate import ProviderGate, RemainingViews
 from .tokens import (
     count_prompt_tokens,
     count_text_tokens,
@@ -187,7 +186,7 @@ class Engine:
         # The same sends for the provider gate: estimated prompt tokens, requests, max_tokens.
         # The gate weighs the first at the calibration it has now, not the one at the send.
         self._gate_sent = [0, 0, 0]
-        self._remaining = _Remaining()  # what the latest answers say remains, for the limiter
+        self._remaining = RemainingViews()  # what the latest answers say remains (limiter)
         # What the provider's headers say it can take now, held against those sends.
         self._gate = ProviderGate(rpm=limiter.rpm, tpm=limiter.tpm) if limiter is not None else None
         self.token_param = settings.token_param or token_param_for(settings.model)
@@ -773,63 +772,6 @@ class Engine:
 def _resolve(future: asyncio.Future[bool], value: bool) -> None:
     if not future.done():
         future.set_result(value)
-
-
-class _Remaining:
-    """The provider's remaining at an answer's snapshot, as the median of the latest answers'.
-
-    The provider counts sends in the order they arrive, not the order this engine counted them
-    (a request on a new connection goes out later than one on a reused one): an answer whose
-    request was overtaken shows the overtakers gone already, and `_less_unseen` takes them off
-    again. In a job's first burst that made the schedule's clamp a second or two short on a
-    minute's bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate
-    (up to the bucket) to this answer's time, is its view; the median of the latest views
-    stands for this answer's. For an engine alone on the key only: with others, a view lacks
-    their sends since, which only the latest answer shows."""
-
-    def __init__(self) -> None:
-        self._tokens: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
-        self._requests: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
-
-    def of(
-        self,
-        limits: ProviderLimits,
-        at: float,
-        seen: tuple[int, int],
-        tpm: int | None,
-        rpm: int | None,
-    ) -> ProviderLimits:
-        tokens = self._median(
-            self._tokens, limits.remaining_tokens, limits.reset_tokens_s, at, seen[0], tpm
-        )
-        requests = self._median(
-            self._requests, limits.remaining_requests, limits.reset_requests_s, at, seen[1], rpm
-        )
-        return replace(limits, remaining_tokens=tokens, remaining_requests=requests)
-
-    @staticmethod
-    def _median(
-        views: deque[tuple[float, float, float, float]],
-        remaining: int | None,
-        reset_s: float | None,
-        at: float,
-        seen: int,
-        per_min: int | None,
-    ) -> int | None:
-        if remaining is None or reset_s is None or not per_min:
-            return remaining
-        rate = per_min / 60
-        views.append((at, remaining, remaining + reset_s * rate, seen))
-        # Views of the same burst only: an older one is refilled over longer, at the rate the
-        # engine knows, which may not be the provider's.
-        levels = sorted(
-            min(full, r + rate * (at - t)) + n
-            for t, r, full, n in views
-            if abs(at - t) <= C.REMAINING_WITHIN_S
-        )
-        if len(levels) < 3:
-            return remaining
-        return max(0, math.floor(levels[len(levels) // 2] - seen))
 
 
 def _less_unseen(

@@ -14,6 +14,9 @@ schedule covers those). The engine's tokens are counted as (estimated prompt tok
 tokens) and weighed at the engine's *current* calibration (`scale`), also those sent before it
 was known: a job's first burst goes out at a ratio of 1 and the provider's count can be a third
 more, which a count fixed at send time kept for the rest of the window.
+
+`RemainingViews` reads the same headers for the shared schedule: what an engine alone on the
+key tells the limiter remains.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import _constants as C
 from .usage import ProviderLimits
@@ -186,3 +189,60 @@ class ProviderGate:
     def window_s(self) -> float:
         """The provider's window when it enforces windows (0: a bucket, or not known)."""
         return max((d.window_s for d in (self.tokens, self.requests) if d.window), default=0.0)
+
+
+class RemainingViews:
+    """The provider's remaining at an answer's snapshot, as the median of the latest answers'.
+
+    The provider counts sends in the order they arrive, not the order this engine counted them
+    (a request on a new connection goes out later than one on a reused one): an answer whose
+    request was overtaken shows the overtakers gone already, and the engine (`_less_unseen`) takes them off
+    again. In a job's first burst that made the schedule's clamp a second or two short on a
+    minute's bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate
+    (up to the bucket) to this answer's time, is its view; the median of the latest views
+    stands for this answer's. For an engine alone on the key only: with others, a view lacks
+    their sends since, which only the latest answer shows."""
+
+    def __init__(self) -> None:
+        self._tokens: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
+        self._requests: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
+
+    def of(
+        self,
+        limits: ProviderLimits,
+        at: float,
+        seen: tuple[int, int],
+        tpm: int | None,
+        rpm: int | None,
+    ) -> ProviderLimits:
+        tokens = self._median(
+            self._tokens, limits.remaining_tokens, limits.reset_tokens_s, at, seen[0], tpm
+        )
+        requests = self._median(
+            self._requests, limits.remaining_requests, limits.reset_requests_s, at, seen[1], rpm
+        )
+        return replace(limits, remaining_tokens=tokens, remaining_requests=requests)
+
+    @staticmethod
+    def _median(
+        views: deque[tuple[float, float, float, float]],
+        remaining: int | None,
+        reset_s: float | None,
+        at: float,
+        seen: int,
+        per_min: int | None,
+    ) -> int | None:
+        if remaining is None or reset_s is None or not per_min:
+            return remaining
+        rate = per_min / 60
+        views.append((at, remaining, remaining + reset_s * rate, seen))
+        # Views of the same burst only: an older one is refilled over longer, at the rate the
+        # engine knows, which may not be the provider's.
+        levels = sorted(
+            min(full, r + rate * (at - t)) + n
+            for t, r, full, n in views
+            if abs(at - t) <= C.REMAINING_WITHIN_S
+        )
+        if len(levels) < 3:
+            return remaining
+        return max(0, math.floor(levels[len(levels) // 2] - seen))
