@@ -732,9 +732,15 @@ class Engine:
         if self.limiter is None:
             return
         if not limits.empty:
-            views = self._remaining.of(limits, sent_at, seen, self.limiter.tpm, self.limiter.rpm)
-            if self.limiter.alone:  # others' sends since an older view are not in it
-                limits = views
+            # Only for the one engine on the key: others' sends since an older view are not in it.
+            limits = self._remaining.of(
+                limits,
+                sent_at,
+                seen,
+                self.limiter.tpm,
+                self.limiter.rpm,
+                use=self.limiter.only_engine,
+            )
             limits = _less_unseen(
                 limits,
                 self._sent[0] - seen[0],

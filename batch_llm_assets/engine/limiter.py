@@ -191,7 +191,7 @@ class RedisLimiter:
         # alone on the key, it may then burst closer to the provider's bucket (limiter.lua).
         self.settled = False
         self._clock_ms = -math.inf  # Redis ms less time.monotonic() ms (see `_note_clock`)
-        self.alone = False  # the only engine on the key, as of the latest observe
+        self.only_engine = False  # the only engine on the key, as of the latest observe
 
     async def prepare(self) -> None:
         """Load the script once before the first wave of acquires: otherwise every one of them
@@ -286,7 +286,7 @@ class RedisLimiter:
             # A grant's sixth value is its send time; a deferral's, the ticket: the time its
             # job reserved for it on the limiter's virtual clock.
             slot = int(res[5]) if granted and len(res) > 5 else 0
-            self._note_clock(res, 6)
+            self._note_clock(res)
             grant = Grant(
                 wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot, asked_at
             )
@@ -338,12 +338,12 @@ class RedisLimiter:
             ),
             snapshot_ms=snapshot_ms,
         )
-        self._note_clock(res, 6)
+        self._note_clock(res)
         if len(res) > 7:
-            self.alone = int(res[7]) == 1
+            self.only_engine = int(res[7]) == 1
         return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
 
-    def _note_clock(self, res: list[int], at: int) -> None:
+    def _note_clock(self, res: list[int]) -> None:
         """Learn Redis's clock against time.monotonic() from a reply carrying Redis now (us).
 
         Redis ran the script before the reply came back, so `redis now - monotonic at the
@@ -351,8 +351,8 @@ class RedisLimiter:
         snapshot time is sent in Redis's clock: its call can wait for a connection for tenths
         of a second while the answers of a burst come in, and a snapshot aged from when the
         script runs would be that much too young (the schedule held that much short)."""
-        if len(res) > at:
-            sample = int(res[at]) / 1000 - time.monotonic() * 1000
+        if len(res) > 6:  # a grant's or an observe's seventh value
+            sample = int(res[6]) / 1000 - time.monotonic() * 1000
             self._clock_ms = max(sample, self._clock_ms)
 
     def _adopt_limits(self, limits: ProviderLimits) -> None:

@@ -42,7 +42,6 @@ _BUDGETS = 31  # a window's latest answers whose median budget is kept
 # tokens of framing the calibration's ratio does not scale (JSON, role markers) on short prompts.
 _TOKEN_SLACK = 0.1
 _TOKEN_SLACK_ABS = 32
-_SNAPSHOT_LAG_S = C.SNAPSHOT_LAG_S
 
 
 Sent = tuple[float, float]  # (units the scale weighs, units it does not): see `_Dimension.count`
@@ -141,7 +140,7 @@ class _Dimension:
             return self.reset_at - now + _OPEN_AFTER_RESET_S
         if self.rate_per_s <= 0:
             return 0.0
-        refilled = self.remaining + self.rate_per_s * max(0.0, now - self.at - _SNAPSHOT_LAG_S)
+        refilled = self.remaining + self.rate_per_s * max(0.0, now - self.at - C.SNAPSHOT_LAG_S)
         if self.quota > 0:
             refilled = min(refilled, self.quota)  # a bucket holds no more than it showed
         available = refilled - (self.count(sent) - self.count(self.sent_at))
@@ -196,8 +195,8 @@ class RemainingViews:
 
     The provider counts sends in the order they arrive, not the order this engine counted them
     (a request on a new connection goes out later than one on a reused one): an answer whose
-    request was overtaken shows the overtakers gone already, and the engine (`_less_unseen`) takes them off
-    again. In a job's first burst that made the schedule's clamp a second or two short on a
+    request was overtaken shows the overtakers gone already, and the engine (`_less_unseen`)
+    takes them off again. In a job's first burst that made the schedule's clamp a second or two short on a
     minute's bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate
     (up to the bucket) to this answer's time, is its view; the median of the latest views
     stands for this answer's. For an engine alone on the key only: with others, a view lacks
@@ -214,13 +213,24 @@ class RemainingViews:
         seen: tuple[int, int],
         tpm: int | None,
         rpm: int | None,
+        *,
+        use: bool = True,
     ) -> ProviderLimits:
+        """Record this answer's views; with `use`, the limits with the medians as remaining."""
         tokens = self._median(
-            self._tokens, limits.remaining_tokens, limits.reset_tokens_s, at, seen[0], tpm
+            self._tokens, limits.remaining_tokens, limits.reset_tokens_s, at, seen[0], tpm, use
         )
         requests = self._median(
-            self._requests, limits.remaining_requests, limits.reset_requests_s, at, seen[1], rpm
+            self._requests,
+            limits.remaining_requests,
+            limits.reset_requests_s,
+            at,
+            seen[1],
+            rpm,
+            use,
         )
+        if not use:
+            return limits
         return replace(limits, remaining_tokens=tokens, remaining_requests=requests)
 
     @staticmethod
@@ -231,11 +241,14 @@ class RemainingViews:
         at: float,
         seen: int,
         per_min: int | None,
+        use: bool,
     ) -> int | None:
         if remaining is None or reset_s is None or not per_min:
             return remaining
         rate = per_min / 60
         views.append((at, remaining, remaining + reset_s * rate, seen))
+        if not use:
+            return remaining
         # Views of the same burst only: an older one is refilled over longer, at the rate the
         # engine knows, which may not be the provider's.
         levels = sorted(
