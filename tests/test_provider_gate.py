@@ -6,6 +6,8 @@ engine against the simulator over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import heapq
+import random
 
 import pytest
 import redis
@@ -91,11 +93,32 @@ def test_a_bucket_is_refilled_at_its_rate():
     limit = make_limit(600, enforcement="bucket", bucket_s=1.0, now=0.0)  # 10 at once, 10/s
     _drive(gate, limit, [i * 0.001 for i in range(10)])
     assert gate.requests.window is False
-    # Empty at t = 0.009; one more request refills in 0.1 s.
-    assert gate.wait_s(0, 0.01, [0, 10]) == pytest.approx(0.099, abs=0.002)
+    # 0.09 left at t = 0.009 (the header shows 0): one more request refills by t = 0.1.
+    true_wait = limit.wait_for(1, 0.01)
+    assert true_wait <= gate.wait_s(0, 0.01, [0, 10]) <= true_wait + 0.005
     assert gate.wait_s(0, 0.2, [0, 10]) == 0.0
     # Sends the provider has not reported yet count against what it showed.
     assert gate.wait_s(0, 0.2, [0, 12]) > 0
+
+
+def test_a_bucket_s_level_counts_the_fraction_its_header_leaves_out():
+    # A minute's bucket of 285 requests refills one in 0.21 s. Its header floors the level
+    # (0.42 left shows 0); the reset tells the fraction. Before, the gate waited the whole
+    # 0.21 s for a request the provider could take in 0.12 s: one request's time per job.
+    gate = ProviderGate(rpm=285, tpm=None)
+    limit = make_limit(285, enforcement="bucket", bucket_s=60.0, now=0.0)
+    limit.take(280, 0.0)
+    sent = [0, 280]
+    for t in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3):  # each answer's fraction differs
+        limit.take(1, t)
+        sent[1] += 1
+        headers = ProviderLimits(
+            remaining_requests=limit.remaining(t), reset_requests_s=round(limit.reset_s(t), 3)
+        )
+        gate.observe(headers, t, (sent[0], sent[1]))
+    assert limit.remaining(0.3) == 0 and 0.4 < limit.level < 0.45
+    true_wait = limit.wait_for(1, 0.3)  # 0.12 s
+    assert true_wait <= gate.wait_s(0, 0.3, sent) <= true_wait + 0.05  # not early; not 0.21
 
 
 def test_an_older_answer_does_not_overwrite_a_newer_snapshot():
@@ -135,6 +158,65 @@ def test_a_fixed_window_provider_gets_no_429_at_the_window_edge(fresh_sim, valke
         results = asyncio.run(main())
     assert all(x.ok for x in results)
     assert fresh_sim.stats().get("rate_limited", 0) == 0
+
+
+def test_a_sliding_window_frees_each_send_a_window_after_it_went():
+    # 100 requests per sliding 10 s: 99 in a burst, one straggler at 2.5 s. The window's reset
+    # says when all of it is free (12.5 s); the burst's sends leave it from 10 s. The gate
+    # waited for the reset: a matrix cell took 12.7 s against an ideal of 10.
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement="sliding_window", window_s=10.0, now=0.0)
+    _drive(gate, limit, [i * 0.001 for i in range(99)] + [2.5])
+    assert gate.requests.window
+    true_wait = limit.wait_for(1, 3.0)  # 7 s: the burst's first send leaves at 10 s
+    assert true_wait <= gate.wait_s(0, 3.0, [0, 100]) <= true_wait + 0.1
+    # A fixed window the same sends filled stays shut until its reset.
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement="fixed_window", window_s=10.0, now=0.0)
+    _drive(gate, limit, [i * 0.001 for i in range(99)] + [2.5])
+    assert limit.wait_for(1, 3.0) <= gate.wait_s(0, 3.0, [0, 100]) <= limit.wait_for(1, 3.0) + 0.1
+
+
+def _client(gate: ProviderGate, limit, n: int, *, pause: tuple[int, float]) -> tuple[float, int]:
+    """A client that sends n requests as early as the gate lets it, answers 30 ms after each,
+    and the send numbered pause[0] not before pause[1]. Returns (the last send, 429s)."""
+    rnd = random.Random(0)
+    answers: list[tuple[float, float, ProviderLimits, tuple[int, int]]] = []
+    t, rejected, sent = 0.0, 0, [0, 0]
+    while sent[1] < n:
+        while answers and answers[0][0] <= t:
+            _, at, headers, snapshot = heapq.heappop(answers)
+            gate.observe(headers, at, snapshot)
+        if sent[1] == pause[0]:
+            t = max(t, pause[1])
+        if (wait := gate.wait_s(0, t, sent)) > 0:
+            t = min(t + wait, answers[0][0]) if answers else t + wait
+            continue
+        arrive = t + rnd.uniform(0, 0.01)
+        rejected += limit.wait_for(1, arrive) > 0
+        limit.take(1, arrive)
+        sent[1] += 1
+        headers = ProviderLimits(
+            remaining_requests=limit.remaining(arrive),
+            reset_requests_s=round(limit.reset_s(arrive), 3),
+        )
+        heapq.heappush(answers, (arrive + 0.03, t, headers, (sent[0], sent[1])))
+        t += rnd.uniform(0, 0.002)
+    return t, rejected
+
+
+@pytest.mark.parametrize(
+    ("enforcement", "ideal"), [("sliding_window", 20.0), ("fixed_window", 20.0)]
+)
+def test_a_window_s_sends_after_a_pause_go_as_the_window_frees_them(enforcement, ideal):
+    # 250 requests at 100 per 10 s; the 96th waits till 2.5 s (a slow row). A sliding window
+    # frees the first 95 at 10 s and the rest at 12.5 s; the gate waited for 12.5 s, each
+    # window (22.7 s in all). Neither window shape gets a 429.
+    gate = ProviderGate(rpm=600, tpm=None)
+    limit = make_limit(600, enforcement=enforcement, window_s=10.0, now=0.0)
+    last, rejected = _client(gate, limit, 250, pause=(95, 2.5))
+    assert rejected == 0
+    assert ideal <= last <= ideal + 0.25
 
 
 def test_a_send_the_snapshot_only_just_covers_waits():

@@ -21,7 +21,9 @@ key tells the limiter remains.
 
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -34,6 +36,8 @@ from .usage import ProviderLimits
 _MIN_EVIDENCE_S = 0.05
 _VOTES = 4  # evidence saturates here; 2 votes for "window" switch the model
 _OPEN_AFTER_RESET_S = 0.01  # a window is waited on until a little after its reset
+# A send leaves a sliding window this long after it went (its way to the provider included).
+_LEAVES_AFTER_S = 0.05
 # Answers whose resets are this close (or a tenth of the window) are of the same window.
 _SAME_WINDOW_S = 0.05
 _BUDGETS = 31  # a window's latest answers whose median budget is kept
@@ -68,6 +72,27 @@ class _Dimension:
     fresh: float | None = None  # a new window's remaining until its first answer
     start_sent: Sent = (0.0, 0.0)  # this engine's sends before the current window began
     size: float = 0.0  # what a whole window gave this engine
+    capacity: float = 0.0  # a bucket's: the most remaining + reset x rate seen
+    # A window's answers, as a sliding window sees them: (send time, sends up to it), in send
+    # order, over the latest two windows, with what went before the oldest (`log_base`); and
+    # the latest answers' (remaining, sends up to it, sends a window before it).
+    log: list[tuple[float, Sent]] = field(default_factory=list)
+    log_base: Sent = (0.0, 0.0)
+    spans: deque[tuple[float, Sent, Sent]] = field(default_factory=lambda: deque(maxlen=_BUDGETS))
+
+    def _level(self, remaining: float, reset_s: float) -> float:
+        """A bucket's remaining with the fraction the header's whole number leaves out.
+
+        The provider floors its level (0.99 requests left shows 0), and on a slow refill the
+        fraction is most of a send: a minute's bucket of 285 requests refills one in 0.21 s,
+        which the floor cost at the end of every job. The reset tells the rest, `capacity -
+        reset x rate`; believed only within the floor's own unit (a wrong rate or a rounded
+        reset then changes nothing)."""
+        if self.rate_per_s <= 0 or self.votes >= 0:
+            return remaining
+        self.capacity = max(self.capacity, remaining + reset_s * self.rate_per_s)
+        level = self.capacity - reset_s * self.rate_per_s
+        return level if remaining <= level < remaining + 1 else remaining
 
     @property
     def window(self) -> bool:
@@ -89,6 +114,7 @@ class _Dimension:
         return math.inf
 
     def observe(self, remaining: float, reset_s: float, at: float, sent_at: Sent) -> None:
+        remaining = self._level(remaining, reset_s)
         reset_at = at + reset_s
         same = abs(reset_at - self.reset_at) < max(_SAME_WINDOW_S, 0.1 * self.window_s)
         if not same:
@@ -99,6 +125,8 @@ class _Dimension:
             # closest to the window's (a send on the earliest one arrived before the reset).
             reset_at = max(reset_at, self.reset_at)
             self.reset_at = reset_at
+        if self.window:
+            self._log(remaining, at, sent_at)
         if at < self.at:
             return  # an answer to an earlier send: its snapshot is older
         dropped = self.remaining - remaining
@@ -137,7 +165,7 @@ class _Dimension:
                 self.budgets.clear()
             if self.budget - self.count(sent) >= need:
                 return 0.0
-            return self.reset_at - now + _OPEN_AFTER_RESET_S
+            return min(self.reset_at - now + _OPEN_AFTER_RESET_S, self._slides_s(need, now, sent))
         if self.rate_per_s <= 0:
             return 0.0
         refilled = self.remaining + self.rate_per_s * max(0.0, now - self.at - C.SNAPSHOT_LAG_S)
@@ -145,6 +173,39 @@ class _Dimension:
             refilled = min(refilled, self.quota)  # a bucket holds no more than it showed
         available = refilled - (self.count(sent) - self.count(self.sent_at))
         return 0.0 if available >= need else (need - available) / self.rate_per_s
+
+    def _log(self, remaining: float, at: float, sent_at: Sent) -> None:
+        i = bisect.bisect(self.log, at, key=lambda e: e[0])
+        self.log.insert(i, (at, sent_at))
+        self.spans.append((remaining, sent_at, self._sent_by(at - self.window_s)))
+        old = bisect.bisect(self.log, self.log[-1][0] - 2 * self.window_s, key=lambda e: e[0])
+        if old:
+            self.log_base = self.log[old - 1][1]
+            del self.log[:old]
+
+    def _sent_by(self, t: float) -> Sent:
+        """This engine's sends up to time `t`, as far as answers show (others: later)."""
+        i = bisect.bisect(self.log, t, key=lambda e: e[0])
+        return self.log[i - 1][1] if i else self.log_base
+
+    def _slides_s(self, need: float, now: float, sent: Sent) -> float:
+        """The wait for `need` if the window slides: a send leaves it a window after it went.
+
+        The window's reset says when *all* of it is free: one late send held everything
+        behind it till then (a straggler 2.4 s after a burst cost 2.4 s of a 10 s window).
+        Safe for a fixed window too: sends within a window before now include all of the
+        current fixed window's, and the capacity is the least of the two readings (a sliding
+        reading of a fixed window counts the window before's sends in)."""
+        if not self.spans:
+            return math.inf
+        sliding = statistics.median_low(r + self.count(s) - self.count(b) for r, s, b in self.spans)
+        capacity = min(self.budget - self.count(self.start_sent), sliding)
+        # The first answered send whose leaving frees enough.
+        over = self.count(sent) + need - capacity
+        i = bisect.bisect_left(self.log, over, key=lambda e: self.count(e[1]))
+        if i == len(self.log):
+            return math.inf
+        return max(0.0, self.log[i][0] + self.window_s + _LEAVES_AFTER_S - now)
 
 
 class ProviderGate:
