@@ -508,3 +508,47 @@ def test_a_remaining_a_little_low_does_not_hold_the_schedule_short(redis_url, na
         await client2.aclose()
 
     asyncio.run(main())
+
+
+def test_a_send_the_providers_count_already_covers_is_not_reconciled_twice(redis_url, namespace):
+    # Three sends reserved at 100 tokens each; the provider counts 130 (characters/4 of the
+    # body, say). The third's answer comes first, and the schedule is raised to the remaining
+    # it shows: the provider's count of all three. The first two's reconciles (+30 each) came
+    # after it and counted their error a second time: in a job's first burst a third of its
+    # tokens, 0.1-0.3 s of a matrix cell on a 10 s bucket. For the only engine on the key.
+    from batch_llm_assets.engine.engine import Engine, EngineSettings
+    from batch_llm_assets.engine.transport import AiohttpTransport, ChatResponse
+    from batch_llm_assets.engine.usage import ProviderLimits, Usage
+
+    def answer(remaining: int) -> ChatResponse:
+        # Never sent: the answers are fed back as the engine does when they arrive.
+        headers = {"x-ratelimit-remaining-tokens": str(remaining), "x-ratelimit-reset-tokens": "1s"}
+        usage = Usage(prompt_tokens=110, completion_tokens=5)
+        return ChatResponse("ok", "stop", 110, 5, headers, usage=usage)
+
+    async def state_tt(client) -> float:
+        return float(await client.hget(f"{namespace}:state", "tt"))
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        transport = AiohttpTransport(base_url="http://127.0.0.1:9", api_key="", model="m")
+        engine = Engine(EngineSettings(model="gpt-4o-mini"), transport, lim)
+        sent_at = time.monotonic()
+        for _ in range(3):
+            await lim.acquire(100)
+        engine._sent = [300, 3]
+        limits = ProviderLimits(remaining_tokens=500 - 3 * 130, reset_tokens_s=0.39)
+        await engine._after_answer(100, 100, 20, answer(110), limits, (300, 3), sent_at)
+        assert lim.clamped_tokens and lim.only_engine
+        raised = await state_tt(client)
+        # Older snapshots of the same bucket of 500 tokens (no wider burst to learn).
+        for seen, remaining in (((100, 1), 370), ((200, 2), 240)):
+            limits = ProviderLimits(
+                remaining_tokens=remaining, reset_tokens_s=(500 - remaining) / 1000
+            )
+            await engine._after_answer(100, 100, 20, answer(remaining), limits, seen, sent_at)
+        assert await state_tt(client) == pytest.approx(raised, abs=1.0)  # ms: not +60
+        await transport.aclose()
+        await client.aclose()
+
+    asyncio.run(main())

@@ -43,6 +43,8 @@
 --       21 this engine's id (one per process and run), 22 its token counts have settled (0|1),
 --       23 when the provider took the answer's snapshot, in Redis ms (observe; 0 unknown)
 -- observe: ARGV 12 is the remaining tokens (-1 unknown).
+-- Returns (observe): {1, 0, factor_ppm, 0, 0, burst ms, Redis now in us, engines, 1 if the
+-- tokens' schedule was raised to the provider's remaining (its count replaced the engine's)}
 -- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms when
 -- granted | the ticket to come back with when deferred, and when granted Redis now in us}
 
@@ -315,6 +317,7 @@ if op == 'observe' then
   -- snapshot, not from now. Other engines' sends since are not in the remaining it reports,
   -- and at their rate they about take the refill: for engines that share the key, from now.
   local promise = (engines == 1 and now - age or now) + burst_ms - slack
+  local tt_before = tt
   if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, promise - tokens / rt) end
   if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, promise - arg15 / rr) end
   -- A window holds its whole length of our rate at its start, whatever remains now (the
@@ -328,7 +331,7 @@ if op == 'observe' then
   if cap > 0 and now - dec >= cooldown then lb = cap - margin end
   save_state()
   return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap))),
-          math.floor(now * 1000), engines}
+          math.floor(now * 1000), engines, tt > tt_before and 1 or 0}
 end
 
 -- acquire

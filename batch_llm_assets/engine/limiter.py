@@ -192,6 +192,8 @@ class RedisLimiter:
         self.settled = False
         self._clock_ms = -math.inf  # Redis ms less time.monotonic() ms (see `_note_clock`)
         self.only_engine = False  # the only engine on the key, as of the latest observe
+        # The latest observe raised the tokens' schedule to the provider's remaining.
+        self.clamped_tokens = False
 
     async def prepare(self) -> None:
         """Load the script once before the first wave of acquires: otherwise every one of them
@@ -341,6 +343,7 @@ class RedisLimiter:
         self._note_clock(res)
         if len(res) > 7:
             self.only_engine = int(res[7]) == 1
+        self.clamped_tokens = len(res) > 8 and int(res[8]) == 1
         return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
 
     def _note_clock(self, res: list[int]) -> None:
