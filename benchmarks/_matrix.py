@@ -95,6 +95,9 @@ def run_cell(sim, redis_url, enforcement, bind, ratio, counting, *, requests, ta
 
     shape, shape_s = ENFORCEMENTS[enforcement]
     prompts = make_prompts(requests)
+    # tiktoken's files load once per process (0.3 s), inside the first job unless loaded here:
+    # `--cell .../chars4` would otherwise time its first run 0.3 s slow.
+    count_prompt_tokens(messages("warm up"), MODEL)
     costs = [_cost(p, counting) for p in prompts]
     rpm, tpm = cell_limits(costs, shape_s, bind, target_s)
     sim.configure(rpm=rpm, tpm=tpm, counting=counting, **shape)

@@ -9,9 +9,10 @@ steady part of the run, divided by the limit. Prints one JSON line last.
 
 --matrix runs one quick job per provider shape (benchmarks/_matrix.py: enforcement x bind x
 configured/true x token counting), prints a table and, last, one JSON line with the worst cell;
---cell picks cells (e.g. bucket60s/tpm), --stall-s blocks the event loop mid-run:
+--cell picks cells (e.g. bucket60s/tpm), --repeat runs each of them again, --stall-s blocks the
+event loop mid-run:
 
-    python benchmarks/utilization.py --matrix [--cell bucket1s/tpm/1.0] [--stall-s 2]
+    python benchmarks/utilization.py --matrix [--cell bucket1s/tpm/1.0] [--repeat 5] [--stall-s 2]
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--stall-s", type=float, default=0.0, help="block the event loop mid-run")
     ap.add_argument("--cell-requests", type=int, default=300, help="requests per matrix cell")
     ap.add_argument("--cell-target-s", type=float, default=3.0, help="binding part of a cell")
+    ap.add_argument("--repeat", type=int, default=1, help="run each matrix cell this many times")
     args = ap.parse_args()
     if args.matrix or args.stall_s:
         matrix(args)
@@ -183,7 +185,7 @@ def matrix(args) -> None:
     results = []
     try:
         with SimulatorProcess(latency_ms=20, latency_per_token_ms=0.2) as sim:
-            for cell in M.cells(only):
+            for cell in (c for c in M.cells(only) for _ in range(args.repeat)):
                 r = M.run_cell(
                     sim,
                     redis_url,
