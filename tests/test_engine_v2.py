@@ -243,6 +243,21 @@ def test_a_capacity_sent_as_the_limit_does_not_cut_the_rate(fresh_sim, valkey_ur
     assert time.monotonic() - started < 6  # 60 requests at 20/s: 3 s (at 20/min: 3 min)
 
 
+def test_a_limit_configured_too_high_without_a_limit_header_is_not_a_429_storm(
+    fresh_sim, valkey_url
+):
+    # Configured 20 % over the provider's 1,200 requests/min, no x-ratelimit-limit-* to correct
+    # it, remaining/reset on every answer. The provider gate refilled the bucket at the
+    # configured rate and sent ahead of the provider: 73-133 429s for 240 requests (a third of
+    # what was sent), and the 429s' decreases slowed a limiter the gate was ahead of anyway.
+    # The gate now refills at the rate the limiter paces at, decreases included.
+    fresh_sim.configure(rpm=1200, bucket_s=1.0, limit_header="none")
+    llm = make(fresh_sim, rpm=1440, redis_url=valkey_url, job_key="too-high", max_attempts=20)
+    results, _ = run_engine(llm, [ChatRequest(i, user(f"h{i}")) for i in range(240)])
+    assert all(r.ok for r in results.values())
+    assert fresh_sim.stats().get("rate_limited", 0) <= 5  # 2 % of the requests
+
+
 def test_a_whole_second_retry_after_is_no_shared_pause(fresh_sim, valkey_url):
     fresh_sim.configure(rpm=600, bucket_s=0.5, retry_after="seconds", limit_header="none")
     llm = make(fresh_sim, rpm=1200, redis_url=valkey_url, job_key="whole-second", max_attempts=20)

@@ -673,7 +673,15 @@ class Engine:
             self._calibrate(estimate, max_tokens, resp.usage.prompt_tokens)
         limits = parse_limits(resp.headers)
         if not limits.empty:
-            self._gate.set_rates(rpm=self.limiter.rpm, tpm=self.limiter.tpm)
+            # At the rate the limiter paces at now: the configured one may be over the
+            # provider's (with no x-ratelimit-limit to say so), and the gate refilled the
+            # provider's bucket at it: one 429 after another, each cutting a rate the gate
+            # did not use. The 429s' decreases now slow the gate too.
+            f = self.limiter.factor
+            self._gate.set_rates(
+                rpm=int(self.limiter.rpm * f) if self.limiter.rpm else None,
+                tpm=int(self.limiter.tpm * f) if self.limiter.tpm else None,
+            )
             self._gate.observe(limits, *gate_seen)
             self.limiter.window_s = self._gate.window_s
         task = asyncio.ensure_future(

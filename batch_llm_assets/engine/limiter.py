@@ -192,6 +192,8 @@ class RedisLimiter:
         self.settled = False
         self._clock_ms = -math.inf  # Redis ms less time.monotonic() ms (see `_note_clock`)
         self.only_engine = False  # the only engine on the key, as of the latest observe
+        # The adaptive slow-down in force as of the latest reply (1: none; a 429 lowers it).
+        self.factor = 1.0
         # The latest observe raised the tokens' schedule to the provider's remaining.
         self.clamped_tokens = False
 
@@ -285,6 +287,7 @@ class RedisLimiter:
             asked_at = time.monotonic()
             res = await self._call("acquire", tokens, ticket)
             granted, wait_us, factor, share, active = res[:5]
+            self.factor = factor / 1e6
             # A grant's sixth value is its send time; a deferral's, the ticket: the time its
             # job reserved for it on the limiter's virtual clock.
             slot = int(res[5]) if granted and len(res) > 5 else 0
@@ -310,7 +313,8 @@ class RedisLimiter:
         and pause everyone for the hint (at most MAX_SHARED_PAUSE_S)."""
         pause_ms = min(retry_after_s or 0, C.MAX_SHARED_PAUSE_S) * 1000
         res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1))
-        return res[2] / 1e6
+        self.factor = res[2] / 1e6
+        return self.factor
 
     async def observe(self, limits: ProviderLimits, *, sent_at: float | None = None) -> float:
         """Fold the provider's x-ratelimit-* state into the shared schedule; returns the burst
@@ -341,6 +345,7 @@ class RedisLimiter:
             snapshot_ms=snapshot_ms,
         )
         self._note_clock(res)
+        self.factor = res[2] / 1e6
         if len(res) > 7:
             self.only_engine = int(res[7]) == 1
         self.clamped_tokens = len(res) > 8 and int(res[8]) == 1
