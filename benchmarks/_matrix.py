@@ -1,6 +1,8 @@
 """The matrix of utilization.py: one quick job per provider shape, in one process.
 
-A cell = enforcement x bind x configured/true x token counting. The simulator (its own process)
+A cell = enforcement x bind x configured/true x token counting, each with x-ratelimit-limit-*
+per minute; the cells configured too high (1.2) run again without it ("/nolimit": nothing tells
+the engine its configured limit is wrong but the remaining/reset headers and the 429s). The simulator (its own process)
 enforces the true limit in the cell's way; LLMResource is told configured = true x ratio. The
 ideal counts the provider's bucket: a perfect client sending the same requests in order at the
 earliest instant the provider (at min(configured, true)) admits each; a job that fits in a
@@ -35,6 +37,8 @@ ENFORCEMENTS = {
 BINDS = ("tpm", "rpm")
 RATIOS = (1.0, 1.2, 0.8)
 COUNTINGS = ("tiktoken", "chars4")
+# x-ratelimit-limit-* as the simulator sends it; "none" only where it matters (ratio 1.2).
+LIMIT_HEADERS = {"per_minute": "", "none": "nolimit"}
 SLACK_S = 1.0  # latency and start-up a job that fits in the bucket still takes
 STALL_MAX_429 = 5  # --stall-s: 429s allowed after a stall of the event loop (issue 10)
 
@@ -90,7 +94,19 @@ async def _run_job(llm: LLMResource, prompts: list[str], stall_s: float) -> dict
     return {"ok": ok, "failed": failed, "http_429": n429, "wall_s": wall}
 
 
-def run_cell(sim, redis_url, enforcement, bind, ratio, counting, *, requests, target_s, stall_s):
+def run_cell(
+    sim,
+    redis_url,
+    enforcement,
+    bind,
+    ratio,
+    counting,
+    limit_header="per_minute",
+    *,
+    requests,
+    target_s,
+    stall_s,
+):
     import redis
 
     shape, shape_s = ENFORCEMENTS[enforcement]
@@ -100,7 +116,7 @@ def run_cell(sim, redis_url, enforcement, bind, ratio, counting, *, requests, ta
     count_prompt_tokens(messages("warm up"), MODEL)
     costs = [_cost(p, counting) for p in prompts]
     rpm, tpm = cell_limits(costs, shape_s, bind, target_s)
-    sim.configure(rpm=rpm, tpm=tpm, counting=counting, **shape)
+    sim.configure(rpm=rpm, tpm=tpm, counting=counting, limit_header=limit_header, **shape)
     sim.reset()
     redis.Redis.from_url(redis_url).flushdb()
     llm = LLMResource(
@@ -127,6 +143,7 @@ def run_cell(sim, redis_url, enforcement, bind, ratio, counting, *, requests, ta
         "bind": bind,
         "ratio": ratio,
         "counting": counting,
+        "limit_header": limit_header,
         "requests": requests,
         **res,
         "wall_s": round(res["wall_s"], 2),
@@ -138,12 +155,16 @@ def run_cell(sim, redis_url, enforcement, bind, ratio, counting, *, requests, ta
 
 
 def cells(only: str | None):
-    for enforcement, bind, ratio, counting in itertools.product(
-        ENFORCEMENTS, BINDS, RATIOS, COUNTINGS
+    for limit_header, enforcement, bind, ratio, counting in itertools.product(
+        LIMIT_HEADERS, ENFORCEMENTS, BINDS, RATIOS, COUNTINGS
     ):
+        if limit_header != "per_minute" and ratio != 1.2:
+            continue
         name = f"{enforcement}/{bind}/{ratio}/{counting}"
+        if LIMIT_HEADERS[limit_header]:
+            name += "/" + LIMIT_HEADERS[limit_header]
         if only is None or all(part in name.split("/") for part in only.split("/")):
-            yield enforcement, bind, ratio, counting
+            yield enforcement, bind, ratio, counting, limit_header
 
 
 def meets(cell: dict) -> bool:
@@ -165,6 +186,7 @@ def print_table(results: list[dict]) -> None:
         "bind",
         "ratio",
         "counting",
+        "limit_header",
         "ok",
         "failed",
         "http_429",
