@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import pytest
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 from batch_llm_assets import ChatRequest, LLMResource
 from batch_llm_assets.engine import EmbeddedValkey, Engine, EngineSettings
 from batch_llm_assets.engine import errors as E
+from batch_llm_assets.engine._constants import FALLBACK_ESTIMATE_MARGIN
 from batch_llm_assets.engine.limiter import (
     LimiterSettings,
     RedisLimiter,
@@ -198,6 +200,23 @@ def test_missing_usage_records_the_estimate_flagged_and_warns_once(fresh_sim, ca
     for r in results.values():
         assert r.ok and r.tokens_estimated and r.prompt_tokens > 0 and r.completion_tokens > 0
     assert caplog.text.count("sent no token usage") == 1
+
+
+def test_a_model_tiktoken_does_not_know_is_reserved_with_a_margin_and_a_warning(fresh_sim, caplog):
+    # tiktoken falls back to o200k for a model it does not know (a self-hosted Llama, Qwen), whose
+    # own tokenizer can count digit-heavy text at twice as many tokens: the reservation (and
+    # the context check) must not take the fallback's count as exact, nor say nothing.
+    text = "Q3 revenue 1234567.89 against 987654.32, margin 12.5% " * 10
+    params = {"max_tokens": 30}
+    with caplog.at_level(logging.WARNING):
+        unknown, _ = run_engine(make(fresh_sim, params=params), [ChatRequest(1, user(text))])
+        known, _ = run_engine(
+            make(fresh_sim, model="gpt-4o-mini", params=params), [ChatRequest(1, user(text))]
+        )
+    assert caplog.text.count("tiktoken does not know model 'sim-1'") == 1
+    assert "gpt-4o-mini" not in caplog.text
+    prompt = known[1].estimated_tokens - 30  # the same encoding, o200k, without the margin
+    assert unknown[1].estimated_tokens - 30 == math.ceil(prompt * (1 + FALLBACK_ESTIMATE_MARGIN))
 
 
 def test_the_context_window_is_asked_of_a_self_hosted_server(fresh_sim):

@@ -289,9 +289,12 @@ def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, min_factor=0.1)
         await lim.acquire(0)
-        await client.hset(f"{namespace}:state", mapping={"f": -3, "ft": 0})
+        # Stored just now, so the rate's recovery since cannot bring it back into range.
+        sec, usec = await client.time()
+        now_ms = sec * 1000 + usec / 1000
+        await client.hset(f"{namespace}:state", mapping={"f": -3, "ft": now_ms})
         assert (await lim.acquire(0)).factor >= 0.1
-        await client.hset(f"{namespace}:state", mapping={"f": 7})
+        await client.hset(f"{namespace}:state", mapping={"f": 7, "ft": now_ms})
         assert (await lim.acquire(0)).factor <= 1.0
         await client.aclose()
 
