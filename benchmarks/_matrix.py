@@ -2,11 +2,12 @@
 
 A cell = enforcement x bind x configured/true x token counting, each with x-ratelimit-limit-*
 per minute; the cells configured too high (1.2) run again without it ("/nolimit": nothing tells
-the engine its configured limit is wrong but the remaining/reset headers and the 429s). The simulator (its own process)
-enforces the true limit in the cell's way; LLMResource is told configured = true x ratio. The
-ideal counts the provider's bucket: a perfect client sending the same requests in order at the
-earliest instant the provider (at min(configured, true)) admits each; a job that fits in a
-60 s bucket has an ideal near zero, so its wall time is held to ideal + SLACK_S.
+the engine its configured limit is wrong but the remaining/reset headers and the 429s). The
+simulator (its own process) enforces the true limit in the cell's way; LLMResource is told
+configured = true x ratio. The ideal counts the provider's bucket: a perfect client sending
+the same requests in order at the earliest instant the provider (at min(configured, true))
+admits each; a job that fits in a 60 s bucket has an ideal near zero, so its wall time is held
+to ideal + SLACK_S.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ steady part of the run, divided by the limit. Prints one JSON line last.
 --matrix runs one quick job per provider shape (benchmarks/_matrix.py: enforcement x bind x
 configured/true x token counting, and the cells configured 1.2x too high again without
 x-ratelimit-limit-*, named .../nolimit), prints a table and, last, one JSON line with the worst
-cell; --cell picks cells (e.g. bucket60s/tpm, or nolimit), --repeat runs each of them again, --stall-s blocks the
-event loop mid-run:
+cell; --cell picks cells (e.g. bucket60s/tpm, or nolimit), --repeat runs each of them again,
+--stall-s blocks the event loop mid-run:
 
     python benchmarks/utilization.py --matrix [--cell bucket1s/tpm/1.0] [--repeat 5] [--stall-s 2]
 """
