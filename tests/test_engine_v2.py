@@ -262,22 +262,7 @@ def test_a_capacity_sent_as_the_limit_does_not_cut_the_rate(fresh_sim, valkey_ur
     assert time.monotonic() - started < 6  # 60 requests at 20/s: 3 s (at 20/min: 3 min)
 
 
-@pytest.mark.parametrize(
-    "rate_headers",
-    [
-        True,
-        pytest.param(
-            False,
-            # Mended in d0478b9 (the sleepers' slots given back in one call after a 429), which
-            # was taken back: with it, test_real_redis_server_restart_mid_run got 1 and 6 429s
-            # in two full-suite runs (12 of 12 passed alone). Fails in 2 of 3 runs until then.
-            marks=pytest.mark.xfail(
-                reason="429 storm with no rate headers: issue 10", strict=False
-            ),
-        ),
-    ],
-    ids=["remaining-reset", "no-headers"],
-)
+@pytest.mark.parametrize("rate_headers", [True, False], ids=["remaining-reset", "no-headers"])
 def test_a_limit_configured_too_high_without_a_limit_header_is_not_a_429_storm(
     fresh_sim, valkey_url, rate_headers
 ):
@@ -290,8 +275,8 @@ def test_a_limit_configured_too_high_without_a_limit_header_is_not_a_429_storm(
     # went back one by one among their fresh acquires: each refund pulled the schedule's end
     # back under a slot just granted, and the next acquire was granted it again. Sends went
     # out several at once, every 429 woke the sleepers again: 900-1,500 429s and 20-30 rows
-    # failed after 20 attempts, in three runs of four. Not mended on main: see the xfail above
-    # and docs/engine.md, "Known limits of the re-slot".
+    # failed after 20 attempts, in three runs of four. The sleepers' slots now go back in one
+    # call before any fresh acquire (docs/engine.md).
     fresh_sim.configure(rpm=1200, bucket_s=1.0, limit_header="none", rate_headers=rate_headers)
     llm = make(fresh_sim, rpm=1440, redis_url=valkey_url, job_key="too-high", max_attempts=20)
     results, _ = run_engine(llm, [ChatRequest(i, user(f"h{i}")) for i in range(240)])

@@ -285,6 +285,24 @@ def test_time_stepping_back_neither_stops_nor_runs_the_limiter_ahead(redis_url, 
     asyncio.run(main())
 
 
+def test_a_server_that_lost_its_data_does_not_hand_out_slots_already_held(redis_url, namespace):
+    """A restart without persistence (or a failover to an empty replica) while this process
+    holds slots seconds ahead: the fresh state starts after them, not with a full bucket now
+    (those sends and a whole new burst would go together)."""
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, burst_s=0.5)
+        waits = [(await lim.acquire(0)).wait_s for _ in range(30)]
+        assert waits[-1] > 2.0  # 10 requests/s: the 30th is held about 2.4 s ahead
+        await client.delete(f"{namespace}:state")  # the server lost its data
+        grant = await lim.acquire(0)
+        # After every slot held (less the time the acquires took), not at once.
+        assert grant.wait_s >= waits[-1] - 0.5, (grant.wait_s, waits[-1])
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, min_factor=0.1)

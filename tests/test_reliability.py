@@ -192,10 +192,15 @@ def _restart_mid_run(fresh_sim, start, stop):
     worker.join(timeout=120)
     assert len(results) == 360 and all(r.ok for r in results), {r.error_class for r in results}
     stats = fresh_sim.stats()
-    # The provider (bucket: 1 s of the limit) never had to refuse: even across the restart the
-    # limiter stayed within its rate plus a burst no larger than the provider's bucket (the
-    # burst grows from 0.5 s towards the bucket its remaining/reset headers show).
-    assert stats.get("rate_limited", 0) == 0
+    # Even across the restart the limiter stayed within its rate plus a burst no larger than
+    # the provider's bucket (1 s of the limit; the burst grows from 0.5 s towards what its
+    # remaining/reset headers show). Alone on the key, the engine bursts to 50 ms short of that
+    # bucket, so one 429 in about 30 runs comes from jitter on this 2-core machine, with or
+    # without the restart (measured: 1 of 24 and 1 of 36 runs, never more than one); the
+    # issue's target is 0.5 % of the requests. That the fresh state starts after the slots
+    # already held is test_limiter.py's test_a_server_that_lost_its_data_...: this outage
+    # (2 s) outlasts every slot held, so it cannot show it.
+    assert stats.get("rate_limited", 0) <= 0.005 * 360, stats["series"]
     per_second = [s["requests"] for s in stats["series"]]
     assert max(per_second) <= 60 * 2 + 1
 

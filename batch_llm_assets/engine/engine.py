@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -170,7 +171,8 @@ class Engine:
         # provider's headers widen the burst (the fresh slot may be now), and after a 429 (slots
         # granted at the old rate are given back together, then taken again, paced, from the
         # pause's end: one at a time, each would take back the slot just given up, all the same).
-        self._sleepers: set[asyncio.Future[bool]] = set()
+        self._sleepers: dict[asyncio.Future[int], tuple[Grant, int]] = {}  # slot, estimate
+        self._giving_back: asyncio.Future[None] | None = None  # sleepers' slots going back
         self._reslot_soon: asyncio.TimerHandle | None = None
         self._wakes = 0
         self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
@@ -510,6 +512,9 @@ class Engine:
             return Grant(0.0, 1.0, True, 1.0, 0)
         given_up: Grant | None = None  # a slot to give back once the fresh one is held
         for attempt in range(C.MAX_FRESH_SLOTS):
+            last = attempt == C.MAX_FRESH_SLOTS - 1
+            if self._giving_back is not None:  # the old slots go back before any fresh one
+                await asyncio.shield(self._giving_back)
             wakes = self._wakes
             grant = await self.limiter.acquire(estimate, deadline=deadline)
             if given_up is not None:
@@ -521,9 +526,10 @@ class Engine:
                 return None
             due = time.monotonic() + grant.wait_s
             # Sleepers were woken while this acquire was on its way: its slot is as stale.
-            woke = self._wakes != wakes and grant.wait_s > 0
+            woke = _WOKEN if self._wakes != wakes and grant.wait_s > 0 and not last else _SLEPT
             if grant.wait_s > 0 and not woke:
-                woke = await self._sleep_unless_reslot(grant.wait_s)
+                # On its last slot a task is not woken: it could only send early on it.
+                woke = await self._sleep_unless_reslot(grant, estimate, wakeable=not last)
             st.waited += grant.wait_s - max(0.0, due - time.monotonic())
             hold = self._paused_until - time.monotonic()
             # Stale: granted before a pause began (a deferral inside acquire does not count).
@@ -531,8 +537,9 @@ class Engine:
             late = time.monotonic() - due > self.limiter.settings.burst_s
             if not stale and not late:
                 return grant
-            last = attempt == C.MAX_FRESH_SLOTS - 1
-            if not last and woke and hold <= 0 and not late and grant.share >= 1:
+            if woke == _GIVEN_BACK:
+                pass  # with every other sleeper's, in one call (see `_wake_sleepers`)
+            elif not last and woke and hold <= 0 and not late and grant.share >= 1:
                 # Woken by a wider burst: the slot is given back once the fresh one is held. A
                 # refund first left the schedule short for a moment, and an observe in that
                 # moment clamped it there (to what the provider showed): the fresh acquire then
@@ -551,17 +558,21 @@ class Engine:
                 return grant
         raise AssertionError("unreachable: the last fresh slot is returned")
 
-    async def _sleep_unless_reslot(self, seconds: float) -> bool:
-        """Sleep; True if woken early to take a fresh slot (see `_sleepers`)."""
+    async def _sleep_unless_reslot(self, grant: Grant, estimate: int, *, wakeable: bool) -> int:
+        """Sleep until the slot; `_WOKEN` or `_GIVEN_BACK` if woken early to take a fresh
+        one (see `_sleepers`), else `_SLEPT`."""
+        if not wakeable:
+            await asyncio.sleep(grant.wait_s)
+            return _SLEPT
         loop = asyncio.get_running_loop()
         woken = loop.create_future()
-        timer = loop.call_later(seconds, _resolve, woken, False)
-        self._sleepers.add(woken)
+        timer = loop.call_later(grant.wait_s, _resolve, woken, _SLEPT)
+        self._sleepers[woken] = (grant, estimate)
         try:
             return await woken
         finally:
             timer.cancel()
-            self._sleepers.discard(woken)
+            self._sleepers.pop(woken, None)
 
     async def _hold_for_provider(self, reserve: int, deadline: float | None) -> bool:
         """Wait while the provider's headers say it cannot take this send yet (a window
@@ -574,12 +585,40 @@ class Engine:
             await asyncio.sleep(min(wait, C.MAX_SHARED_PAUSE_S))
         return True
 
-    def _wake_sleepers(self) -> None:
+    def _wake_sleepers(self, *, after_429: bool = False) -> None:
+        """Wake every sleeper to take a fresh slot. After a 429 their old slots go back first,
+        in one call: given back one by one, each interleaved with fresh acquires (one task's
+        own, or another's), a refund pulled the schedule's end back under slots just granted,
+        which the next acquires were granted again (seven sends within 2 ms, after 2.7 s with
+        none, and a 429 storm: 1,100-1,400 429s for 240 requests)."""
         self._reslot_soon = None
         self._wakes += 1
+        woken_as = _WOKEN
+        if after_429 and self.limiter is not None:
+            held = [(g, e) for f, (g, e) in self._sleepers.items() if not f.done() and g.granted]
+            if held:
+                tokens, requests = sum(e for _, e in held), len(held)
+                self._giving_back = asyncio.ensure_future(
+                    self._refund_all(self._giving_back, tokens, requests)
+                )
+                woken_as = _GIVEN_BACK
         for woken in self._sleepers:
-            _resolve(woken, True)
+            _resolve(woken, woken_as)
         self._sleepers.clear()
+
+    async def _refund_all(
+        self, before: asyncio.Future[None] | None, tokens: int, requests: int
+    ) -> None:
+        if before is not None:
+            await asyncio.shield(before)
+        assert self.limiter is not None
+        try:
+            await self.limiter.reconcile(-tokens, -requests)
+        except E.LimiterUnavailableError:
+            pass  # the slots lapse with the schedule
+        finally:
+            if self._giving_back is asyncio.current_task():
+                self._giving_back = None
 
     def _wake_sleepers_soon(self) -> None:
         """Wake the sleepers once the 429s of one burst have all arrived (they come within
@@ -587,7 +626,9 @@ class Engine:
         first wave's fresh acquires."""
         if self._reslot_soon is None:
             loop = asyncio.get_running_loop()
-            self._reslot_soon = loop.call_later(C.RESLOT_DEBOUNCE_S, self._wake_sleepers)
+            self._reslot_soon = loop.call_later(
+                C.RESLOT_DEBOUNCE_S, functools.partial(self._wake_sleepers, after_429=True)
+            )
 
     async def _refund(self, grant: Grant, estimate: int) -> None:
         if self.limiter is not None and grant.granted:
@@ -794,7 +835,12 @@ class Engine:
                 self._burst_s = burst
 
 
-def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+# How a sleep on a slot ended: at the slot, woken to take a fresh one, or woken with the slot
+# given back already.
+_SLEPT, _WOKEN, _GIVEN_BACK = 0, 1, 2
+
+
+def _resolve(future: asyncio.Future[int], value: int) -> None:
     if not future.done():
         future.set_result(value)
 
