@@ -303,6 +303,56 @@ def test_a_server_that_lost_its_data_does_not_hand_out_slots_already_held(redis_
     asyncio.run(main())
 
 
+def test_slots_moved_for_a_wider_burst_keep_their_order_and_the_schedule(redis_url, namespace):
+    """The provider's headers widen the burst from 0.5 s to 2 s while 15 requests sleep on
+    slots granted under the narrower one: moved in one call, they go as early as the wider
+    burst lets them, in their order, and the schedule's end (what later requests get) is
+    where it was: nothing counted twice, nothing lost."""
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=60_000, burst_s=0.5)
+        grants = [await lim.acquire(100) for _ in range(20)]
+        held = [g for g in grants if g.wait_s > 0]
+        assert len(held) >= 14 and held[-1].wait_s > 1.0  # 10/s after a burst of 0.5 s
+        key = f"{namespace}:state"
+        before = {k: float(await client.hget(key, k)) for k in ("tr", "tt")}
+        await client.hset(key, "lb", 2000)  # what an observe of a 2 s bucket learns
+        moved = await lim.reslot(held, [100] * len(held))
+        after = {k: float(await client.hget(key, k)) for k in ("tr", "tt")}
+        assert after == pytest.approx(before, abs=1)
+        slots = [g.slot_ms for g in moved]
+        assert slots == sorted(slots)
+        # 20 requests fit in a 2 s burst at 10/s: every one may go now (the calls took ms).
+        assert all(g.wait_s < 0.3 for g in moved), [g.wait_s for g in moved]
+        assert all(new.slot_ms <= old.slot_ms for new, old in zip(moved, held, strict=True))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_slots_moved_after_the_rate_fell_do_not_give_back_what_was_sent(redis_url, namespace):
+    """The first answers lowered the limit (x-ratelimit-limit) and widened the burst. The
+    sleepers' slots, given back at the lower rate, would free more than they took at the higher
+    one, and the schedule would forget the requests already sent (one 429 and 0.91 of the
+    limit in the matrix's bucket1s/rpm/1.2 cell): the schedule restarts no earlier than where
+    it was before the first sleeper."""
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, burst_s=0.5)
+        held = [g for g in [await lim.acquire(0) for _ in range(20)] if g.wait_s > 0]
+        lim.rpm = 300  # what lower_limits does with the provider's figure
+        await client.hset(f"{namespace}:state", "lb", 2000)
+        await lim.reslot(held, [0] * len(held))
+        tr = float(await client.hget(f"{namespace}:state", "tr"))
+        before_first = held[0].slot_ms + held[0].burst_ms
+        assert held[0].burst_ms == 500
+        # Every sleeper again, 200 ms apart at 5/s, after the schedule's end before them.
+        assert tr >= before_first + len(held) * 200 - 2, (tr - before_first, len(held))
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600, tpm=None, min_factor=0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import signal
@@ -114,6 +115,21 @@ async def wait_results(client, key: str, n: int, timeout: float = 20.0) -> list[
             return [json.loads(r) for r in rows]
         await asyncio.sleep(0.05)
     raise AssertionError(f"only {await client.llen(key)} of {n} results after {timeout} s")
+
+
+async def bounded(coro, timeout_s: float):
+    """Await `coro`; if it hangs, fail with every task's stack (this test hung once in a
+    full-suite run, 2026-11-25, and pytest-timeout showed only an idle event loop)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        stacks = io.StringIO()
+        for t in asyncio.all_tasks():
+            if t is not asyncio.current_task():
+                t.print_stack(file=stacks)
+        task.cancel()
+        raise AssertionError(f"hung for {timeout_s} s; the tasks:\n{stacks.getvalue()}")
+    return task.result()
 
 
 def sample(parts, name: str, queues: QueueNames) -> float:
@@ -381,7 +397,7 @@ def test_kill_9_mid_request_another_worker_finishes_its_messages(fresh_sim, valk
         await client.aclose()
         return results, reclaimed
 
-    results, reclaimed = asyncio.run(rescue())
+    results, reclaimed = asyncio.run(bounded(rescue(), 90.0))
     assert sorted(r["id"] for r in results) == ids
     assert all(r["status_code"] == 200 for r in results)
     assert reclaimed == len(ids)

@@ -173,6 +173,11 @@ class Engine:
         # pause's end: one at a time, each would take back the slot just given up, all the same).
         self._sleepers: dict[asyncio.Future[int], tuple[Grant, int]] = {}  # slot, estimate
         self._giving_back: asyncio.Future[None] | None = None  # sleepers' slots going back
+        # Sleepers whose slots a wider burst's wake is moving: the call, their place in it, and
+        # the wake's number.
+        self._reslotting: dict[asyncio.Future[int], tuple[asyncio.Future[list[Grant]], int, int]]
+        self._reslotting = {}
+        self._moving: set[asyncio.Future[list[Grant]]] = set()  # those calls
         self._reslot_soon: asyncio.TimerHandle | None = None
         self._wakes = 0
         self._burst_s = limiter.settings.burst_s if limiter is not None else 0.0
@@ -524,13 +529,16 @@ class Engine:
                 if grant.granted:  # a deferral held no shared slot: nothing to give back
                     await self._refund(grant, estimate)
                 return None
-            due = time.monotonic() + grant.wait_s
+            slept_from = time.monotonic()
+            due = slept_from + grant.wait_s
             # Sleepers were woken while this acquire was on its way: its slot is as stale.
             woke = _WOKEN if self._wakes != wakes and grant.wait_s > 0 and not last else _SLEPT
             if grant.wait_s > 0 and not woke:
                 # On its last slot a task is not woken: it could only send early on it.
-                woke = await self._sleep_unless_reslot(grant, estimate, wakeable=not last)
-            st.waited += grant.wait_s - max(0.0, due - time.monotonic())
+                woke, grant, due = await self._sleep_unless_reslot(
+                    grant, estimate, due, wakeable=not last
+                )
+            st.waited += min(time.monotonic(), due) - slept_from
             hold = self._paused_until - time.monotonic()
             # Stale: granted before a pause began (a deferral inside acquire does not count).
             stale = woke or self._paused_at >= grant.asked_at or hold > 0
@@ -558,21 +566,35 @@ class Engine:
                 return grant
         raise AssertionError("unreachable: the last fresh slot is returned")
 
-    async def _sleep_unless_reslot(self, grant: Grant, estimate: int, *, wakeable: bool) -> int:
-        """Sleep until the slot; `_WOKEN` or `_GIVEN_BACK` if woken early to take a fresh
-        one (see `_sleepers`), else `_SLEPT`."""
+    async def _sleep_unless_reslot(
+        self, grant: Grant, estimate: int, due: float, *, wakeable: bool
+    ) -> tuple[int, Grant, float]:
+        """Sleep until the slot: how the sleep ended (`_SLEPT`, or `_WOKEN` / `_GIVEN_BACK` if
+        woken early to take a fresh one; see `_sleepers`), and the slot slept on with its due
+        time (a wider burst's wake moves it: `_wake_sleepers`)."""
         if not wakeable:
             await asyncio.sleep(grant.wait_s)
-            return _SLEPT
+            return _SLEPT, grant, due
         loop = asyncio.get_running_loop()
-        woken = loop.create_future()
-        timer = loop.call_later(grant.wait_s, _resolve, woken, _SLEPT)
-        self._sleepers[woken] = (grant, estimate)
-        try:
-            return await woken
-        finally:
-            timer.cancel()
-            self._sleepers.pop(woken, None)
+        while True:
+            woken = loop.create_future()
+            timer = loop.call_later(max(0.0, due - time.monotonic()), _resolve, woken, _SLEPT)
+            self._sleepers[woken] = (grant, estimate)
+            try:
+                how = await woken
+            finally:
+                timer.cancel()
+                self._sleepers.pop(woken, None)
+            if how != _RESLOTTING:
+                return how, grant, due
+            batch, index, wakes = self._reslotting.pop(woken)
+            try:
+                grant = (await asyncio.shield(batch))[index]
+            except E.LimiterUnavailableError:
+                continue  # the old slot holds
+            due = time.monotonic() + grant.wait_s
+            if self._wakes != wakes:  # a 429's wake came while the call was on its way
+                return _WOKEN, grant, due
 
     async def _hold_for_provider(self, reserve: int, deadline: float | None) -> bool:
         """Wait while the provider's headers say it cannot take this send yet (a window
@@ -594,6 +616,18 @@ class Engine:
         self._reslot_soon = None
         self._wakes += 1
         woken_as = _WOKEN
+        if not after_429 and self.limiter is not None:
+            # A wider burst: a job alone on the key has its sleepers' slots moved in one call.
+            held = sorted(
+                ((f, g, e) for f, (g, e) in self._sleepers.items() if not f.done()),
+                key=lambda x: x[1].slot_ms,
+            )
+            held = [(f, g, e) for f, g, e in held if g.granted and g.share >= 1 and g.slot_ms]
+            if held:
+                batch = self._move([g for _, g, _ in held], [e for _, _, e in held])
+                for index, (woken, _, _) in enumerate(held):
+                    self._reslotting[woken] = (batch, index, self._wakes)
+                    _resolve(woken, _RESLOTTING)
         if after_429 and self.limiter is not None:
             held = [(g, e) for f, (g, e) in self._sleepers.items() if not f.done() and g.granted]
             if held:
@@ -605,6 +639,18 @@ class Engine:
         for woken in self._sleepers:
             _resolve(woken, woken_as)
         self._sleepers.clear()
+
+    def _move(self, held: list[Grant], costs: list[int]) -> asyncio.Future[list[Grant]]:
+        assert self.limiter is not None
+        task = asyncio.ensure_future(self.limiter.reslot(held, costs))
+        self._moving.add(task)
+        task.add_done_callback(self._moved)
+        return task
+
+    def _moved(self, batch: asyncio.Future[list[Grant]]) -> None:
+        self._moving.discard(batch)
+        if not batch.cancelled():
+            batch.exception()  # seen: its sleepers keep their old slots
 
     async def _refund_all(
         self, before: asyncio.Future[None] | None, tokens: int, requests: int
@@ -835,9 +881,9 @@ class Engine:
                 self._burst_s = burst
 
 
-# How a sleep on a slot ended: at the slot, woken to take a fresh one, or woken with the slot
-# given back already.
-_SLEPT, _WOKEN, _GIVEN_BACK = 0, 1, 2
+# How a sleep on a slot ended: at the slot, woken to take a fresh one, woken with the slot
+# given back already, or woken while a wider burst's wake moves the slot (`_wake_sleepers`).
+_SLEPT, _WOKEN, _GIVEN_BACK, _RESLOTTING = 0, 1, 2, 3
 
 
 def _resolve(future: asyncio.Future[int], value: int) -> None:

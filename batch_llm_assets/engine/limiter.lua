@@ -31,22 +31,27 @@
 -- stored time is shifted by the step, so the schedule neither stops nor runs ahead.
 --
 -- KEYS: 1 state hash, 2 leases zset, 3 weights hash, 4 this job's hash, 5 engines zset
--- ARGV: 1 op (acquire | reconcile | penalize | release), 2 job, 3 rpm, 4 tpm, 5 burst_ms,
+-- ARGV: 1 op (acquire | reconcile | penalize | observe | reslot | release), 2 job, 3 rpm,
+--       4 tpm, 5 burst_ms,
 --       6 lease_ms, 7 weight, 8 decrease, 9 recovery_per_s, 10 min_factor, 11 cooldown_ms,
 --       12 tokens, 13 ticket (acquire: 0 none, 1 take a slot, else the deferral's reserved
 --       virtual time) | requests delta (reconcile) | retry_after_ms (penalize),
 --       14 how far ahead (ms) this caller's latest granted send is (restores a lost state),
 --       15 slot (penalize: the send time granted to the rejected request, Redis ms; 0 unknown)
+--          | the first request's slot plus the burst it was granted under (reslot; Redis ms)
 --          | remaining requests (observe; -1 unknown), 16 reset tokens ms (observe; -1),
 --       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms,
 --       20 the provider's window ms when it enforces windows (observe; 0: a bucket),
 --       21 this engine's id (one per process and run), 22 its token counts have settled (0|1),
---       23 when the provider took the answer's snapshot, in Redis ms (observe; 0 unknown)
+--       23 when the provider took the answer's snapshot, in Redis ms (observe; 0 unknown),
+--       24 reslot: the requests' token costs, comma-separated, in the order of their slots
 -- observe: ARGV 12 is the remaining tokens (-1 unknown).
 -- Returns (observe): {1, 0, factor_ppm, 0, 0, burst ms, Redis now in us, engines, 1 if the
 -- tokens' schedule was raised to the provider's remaining (its count replaced the engine's)}
 -- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms when
--- granted | the ticket to come back with when deferred, and when granted Redis now in us}
+-- granted | the ticket to come back with when deferred, and when granted Redis now in us and
+-- the burst in force, ms}
+-- Returns (reslot): {factor_ppm, Redis now in us, then wait_ms and slot_ms for each request}
 
 pcall(redis.replicate_commands)
 
@@ -257,6 +262,35 @@ if op == 'reconcile' then
   return {1, 0, math.floor(factor * 1e6), math.floor(share * 1e6), 0}
 end
 
+if op == 'reslot' then
+  -- The burst has widened: requests sleeping on slots granted under the narrower one give them
+  -- back and are granted again, in their order, in this one call. One at a time, each took the
+  -- same slot (the schedule's end less the burst) and the bucket idled until then; a refund
+  -- first and an acquire after let an observe clamp the schedule between the two. For a job
+  -- alone on the key (the caller checks), so its own schedule and credit are left as they are.
+  local costs = {}
+  for c in string.gmatch(ARGV[24] or '', '[^,]+') do costs[#costs + 1] = tonumber(c) end
+  -- Given back at the rate now in force, they would free more than they took when it was
+  -- higher (the provider's x-ratelimit-limit lowered it): not below the schedule's end before
+  -- the first of them (its slot plus the burst it was granted under, ARGV 15).
+  if rt > 0 and tokens > 0 then
+    tt = math.max(adjust(tt, -tokens / rt), math.min(tt, arg15))
+  end
+  if rr > 0 and #costs > 0 then tr = math.max(adjust(tr, -#costs / rr), math.min(tr, arg15)) end
+  local out = {math.floor(factor * 1e6), math.floor(now * 1000)}
+  for i = 1, #costs do
+    local s = math.max(now, pause)
+    if rr > 0 then s = math.max(s, tr - burst_ms) end
+    if rt > 0 then s = math.max(s, tt - burst_ms) end
+    if rr > 0 then tr = math.max(tr, s) + 1 / rr end
+    if rt > 0 then tt = math.max(tt, s) + costs[i] / rt end
+    out[#out + 1] = math.ceil(s - now)
+    out[#out + 1] = math.floor(s)
+  end
+  save_state()
+  return out
+end
+
 if op == 'penalize' then
   -- One overload event, one decrease: a 429 on a slot granted before the last decrease (or
   -- within the cooldown) belongs to the event already counted.
@@ -412,4 +446,4 @@ if rt > 0 then tt = math.max(tt, s) + ct end
 if extra == 0 then note_usage(math.max(cr, ct)) end
 save_state()
 return {1, math.ceil((s - now) * 1000), math.floor(factor * 1e6), math.floor(share * 1e6), active,
-        math.floor(s), math.floor(now * 1000)}
+        math.floor(s), math.floor(now * 1000), math.floor(burst_ms)}

@@ -9,7 +9,7 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 import redis.asyncio as aioredis
@@ -49,6 +49,7 @@ class Grant:
     # time.monotonic() when the call that granted it was sent (after any deferral): a shared
     # pause that began after it is one the slot does not know about.
     asked_at: float = math.inf
+    burst_ms: int = 0  # the burst it was granted under
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +229,7 @@ class RedisLimiter:
         wait: bool = True,
         more: tuple[float, float, float] = (0, -1, -1),
         snapshot_ms: float = 0.0,
+        costs: str = "",
     ) -> list[int]:
         s = self.settings
         args = [
@@ -252,6 +254,7 @@ class RedisLimiter:
             self.engine_id,
             int(self.settled),
             snapshot_ms,
+            costs,
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1
@@ -293,7 +296,14 @@ class RedisLimiter:
             slot = int(res[5]) if granted and len(res) > 5 else 0
             self._note_clock(res)
             grant = Grant(
-                wait_us / 1e6, factor / 1e6, bool(granted), share / 1e6, int(active), slot, asked_at
+                wait_us / 1e6,
+                factor / 1e6,
+                bool(granted),
+                share / 1e6,
+                int(active),
+                slot,
+                asked_at,
+                int(res[7]) if granted and len(res) > 7 else 0,
             )
             self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
             if granted or (deadline is not None and time.monotonic() + grant.wait_s > deadline):
@@ -306,6 +316,37 @@ class RedisLimiter:
         """Charge (positive) or refund (negative) the difference from the reservation."""
         if tokens_delta or requests_delta:
             await self._call("reconcile", tokens_delta, requests_delta)
+
+    async def reslot(self, held: list[Grant], costs: list[int]) -> list[Grant]:
+        """Give back slots granted under a narrower burst and take them again, in their order,
+        under the burst now in force, in one call (see limiter.lua). For a job alone on the key;
+        `held` in the order of their slots.
+        Raises LimiterUnavailableError at once if Redis cannot take it: the old slots hold."""
+        asked_at = time.monotonic()
+        res = await self._call(
+            "reslot",
+            sum(costs),
+            0,
+            wait=False,
+            more=(held[0].slot_ms + held[0].burst_ms, -1, -1),
+            costs=",".join(str(int(c)) for c in costs),
+        )
+        factor = int(res[0]) / 1e6
+        self.factor = factor
+        self._note_redis_now(int(res[1]))
+        grants = [
+            replace(
+                old,
+                wait_s=int(res[2 + 2 * i]) / 1000,
+                factor=factor,
+                slot_ms=int(res[3 + 2 * i]),
+                asked_at=asked_at,
+            )
+            for i, old in enumerate(held)
+        ]
+        if grants:
+            self._horizon = max(self._horizon, time.monotonic() + max(g.wait_s for g in grants))
+        return grants
 
     async def penalize(self, *, retry_after_s: float | None, slot_ms: int = 0) -> float:
         """A 429 got through: slow the shared bucket down (once per overload event: `slot_ms`
@@ -360,8 +401,11 @@ class RedisLimiter:
         of a second while the answers of a burst come in, and a snapshot aged from when the
         script runs would be that much too young (the schedule held that much short)."""
         if len(res) > 6:  # a grant's or an observe's seventh value
-            sample = int(res[6]) / 1000 - time.monotonic() * 1000
-            self._clock_ms = max(sample, self._clock_ms)
+            self._note_redis_now(int(res[6]))
+
+    def _note_redis_now(self, redis_now_us: int) -> None:
+        sample = redis_now_us / 1000 - time.monotonic() * 1000
+        self._clock_ms = max(sample, self._clock_ms)
 
     def _adopt_limits(self, limits: ProviderLimits) -> None:
         """Lower rpm/tpm to what x-ratelimit-limit-* (with remaining and reset) says; once."""
