@@ -509,6 +509,9 @@ def test_what_was_sent_after_a_request_comes_off_the_remaining_its_answer_shows(
     # The bucket's capacity (remaining + reset x rate) is what the provider showed.
     assert less.reset_tokens_s == pytest.approx(1.3)
     assert less.reset_requests_s == pytest.approx(0.7)
-    # Never below zero; unknown stays unknown.
-    assert _less_unseen(seen, 5000, 50, 60_000, 1200).remaining_tokens == 0
+    # More in flight than remained is a debt, not zero (the schedule must hold all of it), and
+    # the capacity still is what the provider showed; unknown stays unknown.
+    debt = _less_unseen(seen, 5000, 50, 60_000, 1200)
+    assert (debt.remaining_tokens, debt.remaining_requests) == (-4000, -40)
+    assert debt.remaining_tokens + debt.reset_tokens_s * 1000 == pytest.approx(2000)
     assert _less_unseen(ProviderLimits(), 300, 4, 60_000, 1200) == ProviderLimits()

@@ -542,6 +542,75 @@ def test_an_engine_alone_on_the_key_bursts_closer_to_the_providers_bucket(
     asyncio.run(main())
 
 
+def test_a_burst_widened_by_an_answer_is_held_to_what_the_answer_says_remains(redis_url, namespace):
+    # 1000 tokens/s, a 1 s bucket. 500 tokens went at once (the configured burst); the
+    # provider counted 700 of them (it counts otherwise) and says 300 remain. The answer widens
+    # the burst to 950 ms, and the clamp is for that burst: 300 tokens may go now, less the 50 ms
+    # an engine alone keeps from the provider's bucket (one request may cross the line, as in
+    # any GCRA). Held to the half-second burst it came before, the clamp let 500 go: a 429.
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        lim.settled = True
+        assert [(await lim.acquire(100)).wait_s for _ in range(5)] == [0.0] * 5
+        told = ProviderLimits(remaining_tokens=300, reset_tokens_s=0.7)
+        assert await lim.observe(told) == pytest.approx(0.95, abs=0.005)
+        at_once = 0
+        while (await lim.acquire(100)).wait_s == 0:
+            at_once += 1
+        assert 2 <= at_once <= 3
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_more_in_flight_than_remains_is_a_debt_the_schedule_holds(redis_url, namespace):
+    # The engine's remaining is the answer's less what it sent since: with more in flight than
+    # the provider showed left, it is below zero. Read as "unknown" (or floored at zero), the
+    # clamp lost the excess exactly at the bucket's edge.
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5)
+        owed = ProviderLimits(remaining_tokens=-200, reset_tokens_s=1.2)  # a 1 s bucket
+        await lim.observe(owed)
+        assert (await lim.acquire(10)).wait_s == pytest.approx(0.2, abs=0.02)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("limit_tokens", "decrease"),
+    [(60_000, 0.9), (50_000, 0.9), (None, 0.7), (2_000, 0.7)],
+    ids=["stated", "stated-lower", "not-stated", "a-capacity"],
+)
+def test_a_429_at_a_rate_the_provider_states_costs_a_milder_decrease(
+    redis_url, namespace, limit_tokens, decrease
+):
+    # The provider's x-ratelimit-limit says the rate the limiter paces at is its own: an
+    # isolated 429 came at its bucket's edge (a send's jitter, a count a little off), not from a rate too
+    # high, and x0.7 cost a 3 s job a tenth of its time while the rate climbed back. Without
+    # the figure, or with one that is a bucket's capacity, the rate may be wrong: x0.7.
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    async def main():
+        client, lim = _limiter(
+            redis_url, namespace, rpm=None, tpm=60_000, burst_s=0.5, cooldown_ms=50
+        )
+        answer = ProviderLimits(limit_tokens=limit_tokens, remaining_tokens=1000, reset_tokens_s=0)
+        await lim.observe(answer)
+        first = await lim.penalize(retry_after_s=None)
+        assert first == pytest.approx(decrease, abs=0.01)
+        # Another overload event within 10 s is a pattern, whatever the provider states: x0.7.
+        await asyncio.sleep(0.1)
+        assert await lim.penalize(retry_after_s=None) == pytest.approx(first * 0.7, abs=0.01)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_remaining_a_little_low_does_not_hold_the_schedule_short(redis_url, namespace):
     # The remaining an engine reports is the answer's less its own sends since; an answer
     # overtaken in flight makes it low by a request or two at times, and the clamp only ever

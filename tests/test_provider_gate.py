@@ -328,3 +328,23 @@ def test_an_answer_overtaken_on_its_way_does_not_shorten_the_schedule():
         told[i] = remaining.of(limits, t, (0, i + 1), None, 6000).remaining_requests
     assert snapshot[20][0] <= expected[20] - 4  # its own answer: five more gone
     assert all(abs(told[i] - expected[i]) <= 1 for i in range(30)), (told, expected)
+
+
+def test_the_median_s_remaining_keeps_the_capacity_the_answer_showed():
+    # The limiter learns the provider's bucket from remaining + reset x rate. With the median's
+    # remaining and the answer's own reset, a capacity of 1.06-1.11 s was read off a 1 s bucket
+    # and the burst grew past it. 100 requests/s: views whose median is above this answer's.
+    from batch_llm_assets.engine.provider_gate import RemainingViews
+
+    remaining = RemainingViews()
+    for i, left in enumerate((60, 60, 60)):
+        view = ProviderLimits(remaining_requests=left, reset_requests_s=0.4)
+        remaining.of(view, i * 0.001, (0, 0), None, 6000)
+    low = ProviderLimits(remaining_requests=20, reset_requests_s=0.8)  # capacity 100, as all
+    told = remaining.of(low, 0.003, (0, 0), None, 6000)
+    assert told.remaining_requests == 60  # the median view
+    assert told.remaining_requests + told.reset_requests_s * 100 == pytest.approx(100)
+    # A median above the capacity itself is held to it.
+    odd = ProviderLimits(remaining_requests=0, reset_requests_s=0.5)  # capacity 50
+    told = remaining.of(odd, 0.004, (0, 0), None, 6000)
+    assert (told.remaining_requests, told.reset_requests_s) == (50, 0.0)

@@ -896,12 +896,15 @@ def _less_unseen(
 ) -> ProviderLimits:
     """The provider's remaining tokens and requests less what it could not have counted yet.
 
-    The reset grows by the time the rate takes to refill that much, so remaining + reset x rate,
-    the bucket's capacity the limiter learns its burst from, stays what the provider showed."""
+    Below zero when more is in flight than the provider showed left: a debt the schedule must
+    hold. Floored at zero, the clamp lost the excess exactly when the bucket was at its edge
+    (with 20 ms answers, three or four sends in flight against a remaining of one or two), and
+    let the provider's bucket run under one request. The reset grows by the time the rate takes
+    to refill what is taken off, so remaining + reset x rate, the bucket's capacity the limiter
+    learns its burst from, stays what the provider showed."""
     rt, rr = limits.remaining_tokens, limits.remaining_requests
     st, sr = limits.reset_tokens_s, limits.reset_requests_s
-    tokens = 0 if rt is None else min(rt, max(0, tokens))
-    requests = 0 if rr is None else min(rr, max(0, requests))
+    tokens, requests = max(0, tokens), max(0, requests)
     return replace(
         limits,
         remaining_tokens=None if rt is None else rt - tokens,

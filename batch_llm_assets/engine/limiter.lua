@@ -39,13 +39,15 @@
 --       14 how far ahead (ms) this caller's latest granted send is (restores a lost state),
 --       15 slot (penalize: the send time granted to the rejected request, Redis ms; 0 unknown)
 --          | the first request's slot plus the burst it was granted under (reslot; Redis ms)
---          | remaining requests (observe; -1 unknown), 16 reset tokens ms (observe; -1),
+--          | remaining requests (observe; '' unknown), 16 reset tokens ms (observe; -1),
 --       17 reset requests ms (observe; -1), 18 probe slowdown, 19 learned burst cap ms,
 --       20 the provider's window ms when it enforces windows (observe; 0: a bucket),
 --       21 this engine's id (one per process and run), 22 its token counts have settled (0|1),
 --       23 when the provider took the answer's snapshot, in Redis ms (observe; 0 unknown),
---       24 reslot: the requests' token costs, comma-separated, in the order of their slots
--- observe: ARGV 12 is the remaining tokens (-1 unknown).
+--       24 reslot: the requests' token costs, comma-separated, in the order of their slots,
+--       25 penalize: the decrease for an isolated 429 at a rate the provider states (0: none)
+-- observe: ARGV 12 is the remaining tokens ('' unknown). A remaining below zero is a debt: the
+-- engine has more in flight than the provider showed left.
 -- Returns (observe): {1, 0, factor_ppm, 0, 0, burst ms, Redis now in us, engines, 1 if the
 -- tokens' schedule was raised to the provider's remaining (its count replaced the engine's)}
 -- Returns (acquire): {granted 0|1, wait_us, factor_ppm, share_ppm, active_jobs, slot_ms when
@@ -54,6 +56,11 @@
 -- Returns (reslot): {factor_ppm, Redis now in us, then wait_ms and slot_ms for each request}
 
 pcall(redis.replicate_commands)
+
+-- What an engine alone on the key (settled token counts) leaves of the provider's bucket, ms.
+local ALONE_MARGIN = 50
+-- A 429 this long after the last decrease is an isolated one (penalize), ms.
+local ISOLATED_MS = 10000
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -73,6 +80,7 @@ local tokens = tonumber(ARGV[12])
 local extra = tonumber(ARGV[13])
 
 local ahead = tonumber(ARGV[14]) or 0
+local mild = tonumber(ARGV[25]) or 0
 local arg15 = tonumber(ARGV[15]) or 0
 local slowdown = math.max(1, tonumber(ARGV[18]) or 1)
 local burst_cap = tonumber(ARGV[19]) or burst
@@ -296,8 +304,13 @@ if op == 'penalize' then
   -- within the cooldown) belongs to the event already counted.
   local same_event = (arg15 > 0 and arg15 <= dec) or now - dec < cooldown
   if not same_event then
+    -- At a rate the provider states (ARGV 25 > 0), a 429 long after the last decrease came at
+    -- its bucket's edge, not from a rate too high: the milder cut. One within ISOLATED_MS of
+    -- the last decrease is a pattern (a window the engine misjudges): the full one.
+    local cut = decrease
+    if mild > 0 and (dec <= 0 or now - dec > ISOLATED_MS) then cut = mild end
     fr = factor
-    f0 = math.max(min_factor, factor * decrease)
+    f0 = math.max(min_factor, factor * cut)
     ft = now
     dec = now
   else
@@ -321,7 +334,9 @@ if op == 'penalize' then
 end
 
 if op == 'observe' then
-  -- tokens: remaining tokens, arg15: remaining requests, ARGV 16/17: resets (ms), -1 unknown.
+  -- Remaining tokens and requests (nil unknown; below zero, a debt), resets in ms (-1 unknown).
+  local rem_t = ARGV[12] ~= '' and tokens or nil
+  local rem_r = ARGV[15] ~= '' and arg15 or nil
   local reset_t = tonumber(ARGV[16]) or -1
   local reset_r = tonumber(ARGV[17]) or -1
   local cap = 0
@@ -329,8 +344,8 @@ if op == 'observe' then
   -- a window: it does not refill until its reset, then all at once (the engine holds what the
   -- window cannot take; a shared schedule that refilled would only pace the rest at the rate).
   local refills = window_ms <= 0
-  if rt > 0 and tokens >= 0 and reset_t >= 0 then cap = math.max(cap, tokens / rt + reset_t) end
-  if rr > 0 and arg15 >= 0 and reset_r >= 0 then cap = math.max(cap, arg15 / rr + reset_r) end
+  if rt > 0 and rem_t and reset_t >= 0 then cap = math.max(cap, rem_t / rt + reset_t) end
+  if rr > 0 and rem_r and reset_r >= 0 then cap = math.max(cap, rem_r / rr + reset_r) end
   -- An engine alone on the key whose token counts have settled holds its own sends against
   -- the provider's headers (its provider gate, which allows for the snapshot's lag and the
   -- counting error). Settled is for good: an observe sent before the flag was (queued for a
@@ -346,26 +361,34 @@ if op == 'observe' then
   -- in flight make it a little low at times, and a clamp only ever ratchets up. For an engine
   -- alone, a fiftieth of a bucket of seconds is let go (its gate holds the exact remaining).
   local slack = (alone and cap >= 2000) and 0.02 * cap or 0
+  -- The provider's bucket holds `cap` ms of our rate (a window its whole length of our rate at
+  -- its start, whatever remains now: the engine holds what the window cannot take until its
+  -- reset): let the burst grow towards it. Less a margin (a tenth of it, at least the
+  -- configured burst) for what is in flight and the headers' lag: a 1 s bucket gives no more
+  -- than the default half second. For an engine alone (above), a margin of 50 ms will do, on
+  -- a 1 s bucket too.
+  local held = math.max(cap, window_ms)
+  local margin = alone and ALONE_MARGIN or math.max(burst, 0.1 * held)
+  if held > 0 and now - dec >= cooldown then lb = held - margin end
+  -- The promise is for the burst the next acquires are granted under: the one this call sets.
+  -- With the burst before it, a burst widened here let the schedule run the remaining's worth
+  -- of sends past the widening (in a job's first burst, the bucket's last requests and a 429).
+  -- For an engine alone the provider's last ALONE_MARGIN ms stay unpromised, as below its
+  -- bucket: a clamp to all that remains ran the bucket down to under one request, and a send's
+  -- jitter of a few ms then met it empty.
   -- The bucket has refilled since the snapshot (the answer's time on its way back, and this
   -- call's wait for a connection): for an engine alone on the key the promise runs from the
   -- snapshot, not from now. Other engines' sends since are not in the remaining it reports,
   -- and at their rate they about take the refill: for engines that share the key, from now.
-  local promise = (engines == 1 and now - age or now) + burst_ms - slack
+  local bursts = math.max(burst, math.min(lb, burst_cap))
+  local keep = alone and ALONE_MARGIN or 0
+  local promise = (engines == 1 and now - age or now) + bursts - slack + keep
   local tt_before = tt
-  if refills and rt > 0 and tokens >= 0 then tt = math.max(tt, promise - tokens / rt) end
-  if refills and rr > 0 and arg15 >= 0 then tr = math.max(tr, promise - arg15 / rr) end
-  -- A window holds its whole length of our rate at its start, whatever remains now (the
-  -- engine holds what the window cannot take until its reset).
-  cap = math.max(cap, window_ms)
-  -- The provider's bucket holds `cap` ms of our rate: let the burst grow towards it.
-  -- Less a margin (a tenth of it, at least the configured burst) for what is in flight and
-  -- the headers' lag: a 1 s bucket gives no more than the default half second. For an engine
-  -- alone (above), a margin of 50 ms will do, on a 1 s bucket too.
-  local margin = alone and 50 or math.max(burst, 0.1 * cap)
-  if cap > 0 and now - dec >= cooldown then lb = cap - margin end
+  if refills and rt > 0 and rem_t then tt = math.max(tt, promise - rem_t / rt) end
+  if refills and rr > 0 and rem_r then tr = math.max(tr, promise - rem_r / rr) end
   save_state()
-  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(math.max(burst, math.min(lb, burst_cap))),
-          math.floor(now * 1000), engines, tt > tt_before and 1 or 0}
+  return {1, 0, math.floor(factor * 1e6), 0, 0, math.floor(bursts), math.floor(now * 1000),
+          engines, tt > tt_before and 1 or 0}
 end
 
 -- acquire

@@ -179,6 +179,10 @@ class RedisLimiter:
         self.tpm = settings.tpm
         self.warn = _Warnings()
         self._limits_checked = False
+        # Every limited dimension's rate is one the provider states (x-ratelimit-limit-*, per
+        # minute): an isolated 429 then says a send came at the bucket's edge, not that the rate
+        # is too high, and costs a milder decrease (`penalize`, limiter.lua).
+        self.limits_stated = False
         self.window_s = 0.0  # the provider's window, when the engine has seen it enforce one
         self._keys = [
             f"{namespace}:state",
@@ -230,6 +234,7 @@ class RedisLimiter:
         more: tuple[float, float, float] = (0, -1, -1),
         snapshot_ms: float = 0.0,
         costs: str = "",
+        mild: float = 0,
     ) -> list[int]:
         s = self.settings
         args = [
@@ -255,6 +260,7 @@ class RedisLimiter:
             int(self.settled),
             snapshot_ms,
             costs,
+            mild,
         ]
         give_up = time.monotonic() + s.outage_s
         delay = 0.1
@@ -353,7 +359,8 @@ class RedisLimiter:
         of a slot granted before the last decrease does not decrease again), empty the burst,
         and pause everyone for the hint (at most MAX_SHARED_PAUSE_S)."""
         pause_ms = min(retry_after_s or 0, C.MAX_SHARED_PAUSE_S) * 1000
-        res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1))
+        mild = C.ADAPT_DECREASE_STATED if self.limits_stated else 0
+        res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1), mild=mild)
         self.factor = res[2] / 1e6
         return self.factor
 
@@ -376,10 +383,10 @@ class RedisLimiter:
             snapshot_ms = (sent_at + C.SNAPSHOT_LAG_S) * 1000 + self._clock_ms
         res = await self._call(
             "observe",
-            -1 if limits.remaining_tokens is None else limits.remaining_tokens,
+            "" if limits.remaining_tokens is None else limits.remaining_tokens,
             0,
             more=(
-                -1 if limits.remaining_requests is None else limits.remaining_requests,
+                "" if limits.remaining_requests is None else limits.remaining_requests,
                 ms(limits.reset_tokens_s),
                 ms(limits.reset_requests_s),
             ),
@@ -422,6 +429,13 @@ class RedisLimiter:
             tpm=_per_minute(
                 limits.limit_tokens, limits.remaining_tokens, limits.reset_tokens_s, self.tpm
             ),
+        )
+        # Stated: a figure at or above the rate now in force (so a per-minute one, not a
+        # bucket's capacity), for each dimension limited.
+        self.limits_stated = all(
+            stated is not None and rate <= stated
+            for rate, stated in ((self.rpm, limits.limit_requests), (self.tpm, limits.limit_tokens))
+            if rate
         )
 
     async def release(self) -> None:

@@ -277,7 +277,12 @@ class RemainingViews:
         *,
         use: bool = True,
     ) -> ProviderLimits:
-        """Record this answer's views; with `use`, the limits with the medians as remaining."""
+        """Record this answer's views; with `use`, the limits with the medians as remaining.
+
+        The reset moves with the remaining, so that remaining + reset x rate, the bucket's
+        capacity the limiter learns its burst from, stays what this answer showed: with the
+        median's remaining and this answer's own reset, a capacity of 1.06-1.11 s was read off
+        a 1 s bucket, and the burst grew past it (a 429 in one run of ten)."""
         tokens = self._median(
             self._tokens, limits.remaining_tokens, limits.reset_tokens_s, at, seen[0], tpm, use
         )
@@ -292,7 +297,13 @@ class RemainingViews:
         )
         if not use:
             return limits
-        return replace(limits, remaining_tokens=tokens, remaining_requests=requests)
+        return replace(
+            limits,
+            remaining_tokens=tokens[0],
+            reset_tokens_s=tokens[1],
+            remaining_requests=requests[0],
+            reset_requests_s=requests[1],
+        )
 
     @staticmethod
     def _median(
@@ -303,13 +314,16 @@ class RemainingViews:
         seen: int,
         per_min: int | None,
         use: bool,
-    ) -> int | None:
+    ) -> tuple[int | None, float | None]:
+        """(remaining, reset): the median view, with the reset that keeps this answer's
+        capacity."""
         if remaining is None or reset_s is None or not per_min:
-            return remaining
+            return remaining, reset_s
         rate = per_min / 60
-        views.append((at, remaining, remaining + reset_s * rate, seen))
+        capacity = remaining + reset_s * rate
+        views.append((at, remaining, capacity, seen))
         if not use:
-            return remaining
+            return remaining, reset_s
         # Views of the same burst only: an older one is refilled over longer, at the rate the
         # engine knows, which may not be the provider's.
         levels = sorted(
@@ -318,5 +332,6 @@ class RemainingViews:
             if abs(at - t) <= C.REMAINING_WITHIN_S
         )
         if len(levels) < 3:
-            return remaining
-        return max(0, math.floor(levels[len(levels) // 2] - seen))
+            return remaining, reset_s
+        level = max(0, min(math.floor(capacity), math.floor(levels[len(levels) // 2] - seen)))
+        return level, max(0.0, (capacity - level) / rate)
