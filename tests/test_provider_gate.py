@@ -20,19 +20,24 @@ from batch_llm_assets.simulator.limits import make_limit
 from .conftest import SIM_KEY
 
 
-def _drive(gate: ProviderGate, limit, sends: list[float]) -> list[float]:
-    """One request per send time: the provider takes it, its answer's headers reach the gate.
-    Returns the gate's wait for one more request at each send."""
-    waits, sent = [], [0, 0]
-    for t in sends:
+def _drive(
+    gate: ProviderGate, limit, sends: list[float], sent: list[int] | None = None, every: int = 1
+):
+    """One request per send time: the provider takes it, its answer's headers reach the gate
+    (every `every`th answer's only). Returns the gate's wait for one more request at each send
+    (or, given the engine's send counter `sent`, that counter moved on)."""
+    keep, waits = sent, []
+    sent = [0, 0] if sent is None else sent
+    for i, t in enumerate(sends):
         waits.append(gate.wait_s(0, t, sent))
         limit.take(1, t)
         sent[1] += 1
         headers = ProviderLimits(
             remaining_requests=limit.remaining(t), reset_requests_s=limit.reset_s(t)
         )
-        gate.observe(headers, t, (sent[0], sent[1]))
-    return waits
+        if i % every == 0:
+            gate.observe(headers, t, (sent[0], sent[1]))
+    return waits if keep is None else sent
 
 
 @pytest.mark.parametrize(
@@ -348,3 +353,43 @@ def test_the_median_s_remaining_keeps_the_capacity_the_answer_showed():
     odd = ProviderLimits(remaining_requests=0, reset_requests_s=0.5)  # capacity 50
     told = remaining.of(odd, 0.004, (0, 0), None, 6000)
     assert (told.remaining_requests, told.reset_requests_s) == (50, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("true", "configured", "shape", "told"),
+    [
+        (600, 720, {"enforcement": "bucket", "bucket_s": 10.0}, True),  # 20 % over: the refill
+        (6000, 7200, {"enforcement": "bucket", "bucket_s": 1.0}, True),
+        (600, 600, {"enforcement": "bucket", "bucket_s": 10.0}, False),  # right: nothing to lower
+        (600, 720, {"enforcement": "fixed_window", "window_s": 10.0}, False),  # a window's reset
+    ],
+    ids=["bucket10s", "bucket1s", "configured-right", "window"],
+)
+def test_a_bucket_s_resets_show_its_refill_rate(true, configured, shape, told):
+    # Configured higher than the provider's rate, with no x-ratelimit-limit: each request taken
+    # moves a bucket's reset on by 1 / rate, the time between snapshots moves it back. A job's
+    # first burst (95 requests 2 ms apart, every 10th answer read, in the order they went)
+    # shows the refill before a 429 does.
+    gate = ProviderGate(rpm=configured, tpm=None)
+    _drive(gate, make_limit(true, now=0.0, **shape), [i * 0.002 for i in range(95)], every=10)
+    lower = gate.refill_limits(rpm=configured, tpm=None)
+    if told:
+        assert lower == {"rpm": pytest.approx(true, rel=0.01)}
+    else:
+        assert lower == {}
+
+
+def test_a_bucket_near_full_or_a_429_tells_no_refill():
+    # A limit that does not bind stays near full: its refill goes to waste at times, and the
+    # sends counted over the reset's moves would read the engine's own rate (it fell 10 % at
+    # each answer). A 429 counts a send the provider did not take: the reading stops.
+    gate = ProviderGate(rpm=720, tpm=None)
+    bucket = make_limit(600, enforcement="bucket", bucket_s=10.0, now=0.0)
+    _drive(gate, bucket, [0.5 * i for i in range(40)])
+    assert gate.refill_limits(rpm=720, tpm=None) == {}
+    gate = ProviderGate(rpm=720, tpm=None)
+    bucket = make_limit(600, enforcement="bucket", bucket_s=10.0, now=0.0)
+    sent = _drive(gate, bucket, [0.0, 0.002], sent=[0, 0])
+    gate.rejected()
+    _drive(gate, bucket, [0.004 + i * 0.002 for i in range(70)], sent=sent)
+    assert gate.refill_limits(rpm=720, tpm=None) == {}

@@ -449,6 +449,7 @@ class Engine:
                 st.last = exc
                 if exc.status == 429 and self._gate is not None:
                     self._gate.observe(parse_limits(exc.headers), sent_at, gate_seen)
+                    self._gate.rejected()
                 # Typed outputs: a provider that refuses the JSON form refuses every row alike.
                 rejected = req.validate is not None and S.rejects_structured(exc)
                 if rejected:
@@ -771,6 +772,10 @@ class Engine:
             )
             self._gate.observe(limits, *gate_seen)
             self.limiter.window_s = self._gate.window_s
+            # Alone on the key only: others' sends move the resets too, not in this count.
+            lower = self._gate.refill_limits(rpm=self.limiter.rpm, tpm=self.limiter.tpm)
+            if lower and self.limiter.only_engine:
+                self.limiter.adopt_refill(**lower)
         task = asyncio.ensure_future(
             self._after_answer(estimate, reserve, max_tokens, resp, limits, seen, gate_seen[0])
         )

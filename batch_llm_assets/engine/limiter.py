@@ -215,14 +215,28 @@ class RedisLimiter:
         """The largest request the tokens/min limit can ever admit (OpenAI rejects larger)."""
         return self.tpm
 
-    def lower_limits(self, *, rpm: int | None = None, tpm: int | None = None) -> None:
-        """Adopt a lower limit reported by the provider (x-ratelimit-limit-*)."""
+    def lower_limits(
+        self, *, rpm: int | None = None, tpm: int | None = None, source: str = "reports"
+    ) -> None:
+        """Adopt a lower limit the provider shows (x-ratelimit-limit-*, or the refill its
+        x-ratelimit-reset-* show: `source` says which, for the warning)."""
         if rpm and self.rpm and rpm < self.rpm:
-            log.warning("Provider reports %d requests/min, below the configured %d.", rpm, self.rpm)
+            log.warning(
+                "Provider %s %d requests/min, below the configured %d.", source, rpm, self.rpm
+            )
             self.rpm = rpm
         if tpm and self.tpm and tpm < self.tpm:
-            log.warning("Provider reports %d tokens/min, below the configured %d.", tpm, self.tpm)
+            log.warning(
+                "Provider %s %d tokens/min, below the configured %d.", source, tpm, self.tpm
+            )
             self.tpm = tpm
+
+    def adopt_refill(self, *, rpm: int | None = None, tpm: int | None = None) -> None:
+        """Adopt the refill the provider's x-ratelimit-reset-* show (provider_gate.py), below
+        the configured rate: it is the provider's own, as a stated limit is (`limits_stated`;
+        the limit that binds is the one a job's first burst draws down, and so reads)."""
+        self.lower_limits(rpm=rpm, tpm=tpm, source="resets show a refill of")
+        self.limits_stated = True
 
     async def _call(
         self,

@@ -46,6 +46,17 @@ _BUDGETS = 31  # a window's latest answers whose median budget is kept
 # tokens of framing the calibration's ratio does not scale (JSON, role markers) on short prompts.
 _TOKEN_SLACK = 0.1
 _TOKEN_SLACK_ABS = 32
+# The refill a bucket's resets show is read once this much was drawn between two answers and
+# the reset moved on by at least _REFILL_DRAWN_S (a bucket drawn down, not one near full whose
+# refill may have gone to waste): the sends that arrive in another order than they went are
+# then a few per cent of it at most.
+_REFILL_UNITS = 30
+_REFILL_DRAWN_S = 0.3
+# The median of this many readings (one per answer) is the refill: a request overtaken on its
+# way (64 in flight) answers with its overtakers counted, and one reading was 3-8 % low.
+_REFILL_READINGS = 5
+# ... and it lowers the configured rate only when it is clearly below it (not header jitter).
+_REFILL_BELOW = 0.9
 
 
 Sent = tuple[float, float]  # (units the scale weighs, units it does not): see `_Dimension.count`
@@ -79,6 +90,13 @@ class _Dimension:
     log: list[tuple[float, Sent]] = field(default_factory=list)
     log_base: Sent = (0.0, 0.0)
     spans: deque[tuple[float, Sent, Sent]] = field(default_factory=lambda: deque(maxlen=_BUDGETS))
+    # The earliest send answered (time, reset, sends up to it), for the refill the resets show;
+    # not probing once read, or once a 429 came (a rejected send is counted here, not by the
+    # provider).
+    origin: tuple[float, float, Sent] | None = None
+    probing: bool = True
+    readings: list[float] = field(default_factory=list)
+    refill_per_s: float | None = None  # the refill rate the resets show (a bucket's)
 
     def _level(self, remaining: float, reset_s: float) -> float:
         """A bucket's remaining with the fraction the header's whole number leaves out.
@@ -113,7 +131,29 @@ class _Dimension:
             return self.fresh + self.count(self.start_sent)
         return math.inf
 
+    def _refill(self, reset_s: float, at: float, sent_at: Sent) -> None:
+        """The rate a bucket refills at, from its resets: each unit taken moves the reset on by
+        1 / rate, the time between two snapshots moves it back as much. So between the earliest
+        answered send and this one, `rate = units sent between / (reset moved + time between)`,
+        while the bucket is neither full nor refusing (a non-binding limit's bucket stays near
+        full and its refill goes to waste: read there, the rate fell 10 % at each answer). Providers that send no
+        x-ratelimit-limit-* (or a wrong one) show their real rate this way in a job's first
+        burst, before a limit configured too high meets a 429."""
+        if not self.probing or reset_s <= 0:
+            return
+        if self.origin is None or at < self.origin[0]:
+            self.origin = (at, reset_s, sent_at)
+            return
+        t0, reset0, sent0 = self.origin
+        units = self.count(sent_at) - self.count(sent0)
+        if units >= _REFILL_UNITS and reset_s - reset0 >= _REFILL_DRAWN_S:
+            self.readings.append(units / (reset_s - reset0 + at - t0))
+        if len(self.readings) >= _REFILL_READINGS:
+            self.refill_per_s = statistics.median(self.readings)
+            self.probing = False  # read once: later answers may come from a bucket gone full
+
     def observe(self, remaining: float, reset_s: float, at: float, sent_at: Sent) -> None:
+        self._refill(reset_s, at, sent_at)
         remaining = self._level(remaining, reset_s)
         reset_at = at + reset_s
         same = abs(reset_at - self.reset_at) < max(_SAME_WINDOW_S, 0.1 * self.window_s)
@@ -244,6 +284,23 @@ class ProviderGate:
             self.tokens.wait_s(tokens * (1 + _TOKEN_SLACK) + _TOKEN_SLACK_ABS, now, in_tokens),
             self.requests.wait_s(1, now, in_requests),
         )
+
+    def rejected(self) -> None:
+        """A 429 came: the sends counted since include one the provider did not take, so the
+        resets no longer tell the refill (the limiter's decrease takes over)."""
+        for d in (self.tokens, self.requests):
+            d.probing = False
+
+    def refill_limits(self, *, rpm: int | None, tpm: int | None) -> dict[str, int]:
+        """Per-minute limits the resets show to be clearly below `rpm` / `tpm`: a bucket's
+        (a window's reset does not move with what is taken)."""
+        lower = {}
+        for name, d, limit in (("rpm", self.requests, rpm), ("tpm", self.tokens, tpm)):
+            if limit and d.refill_per_s and d.votes < 0 and not d.window:
+                per_min = int(d.refill_per_s * 60)
+                if per_min < _REFILL_BELOW * limit:
+                    lower[name] = per_min
+        return lower
 
     @property
     def window_s(self) -> float:
