@@ -117,13 +117,34 @@ def test_bad_input_fails_without_a_network_call(fresh_sim):
         ChatRequest("blank", user("   ")),
         ChatRequest("no-user", [{"role": "system", "content": "x"}]),
         ChatRequest("huge", user("word " * 5000)),
+        # A NaN is not JSON: json wrote it anyway (the provider answered 400), orjson as null
+        # (the parameter silently gone). Neither is sent.
+        ChatRequest("nan", user("hi"), params={"temperature": float("nan")}),
+        ChatRequest("inf", user("hi"), params={"logit_bias": {"1": [float("inf")]}}),
     ]
     results = run(make(fresh_sim, context_window=2000), reqs)
     for key in ("none", "null", "blank", "no-user"):
         assert results[key].error_class == "empty_prompt" and results[key].attempts == 0
     assert results["huge"].error_class == "context_length"
     assert "2000" in results["huge"].error_message
+    for key in ("nan", "inf"):
+        assert results[key].error_class == "bad_request"
+        assert "NaN or infinite" in results[key].error_message
     assert fresh_sim.stats().get("received", 0) == 0
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        run(make(fresh_sim, params={"top_p": float("-inf")}), [ChatRequest("x", user("hi"))])
+
+
+def test_text_orjson_refuses_goes_as_json_writes_it(fresh_sim):
+    # The aiohttp transport writes bodies with orjson, which refuses a lone surrogate (a row's
+    # broken text) and ints over 64 bits; those go through json as before, and are answered.
+    reqs = [
+        ChatRequest("surrogate", user("up or down? \ud83d")),
+        ChatRequest("bigint", user("hi"), params={"seed": 2**70}),
+    ]
+    results = run(make(fresh_sim), reqs)
+    assert {k: r.status for k, r in results.items()} == {"surrogate": "ok", "bigint": "ok"}
+    assert fresh_sim.stats()["answered"] == 2
 
 
 def test_bad_key_fails_fast_without_leaking_it(fresh_sim, caplog):

@@ -138,6 +138,20 @@ def _has_user_prompt(messages: list[dict[str, Any]]) -> bool:
     return found
 
 
+_NON_FINITE = "hold a NaN or infinite number, which JSON cannot carry"
+
+
+def _non_finite(value: Any) -> bool:
+    """A NaN or infinity anywhere in request params (a temperature from a bad row, say)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
 def _failed(req: ChatRequest, error_class: str, message: str, **kw: Any) -> ChatResult:
     return ChatResult(req.id, "failed", error_class=error_class, error_message=message, **kw)
 
@@ -151,6 +165,8 @@ class Engine:
         transport: ChatTransport,
         limiter: RedisLimiter | None = None,
     ) -> None:
+        if _non_finite(settings.params):
+            raise ValueError(f"The engine's params {_NON_FINITE}.")
         self.s = settings
         self.transport = transport
         self.limiter = limiter
@@ -321,6 +337,8 @@ class Engine:
         messages = req.messages
         if not messages or not _has_user_prompt(messages):
             return _failed(req, E.EMPTY_PROMPT, "prompt is null or empty; not sent")
+        if req.params and _non_finite(req.params):
+            return _failed(req, E.BAD_REQUEST, f"params {_NON_FINITE}; not sent")
         body = {**self.s.params, **req.params} if req.params else self.s.params.copy()
         body["model"] = self.s.model
         body["messages"] = messages

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 from . import _constants as C
 from .errors import (
@@ -200,7 +201,7 @@ class AiohttpTransport:
         try:
             async with session.post(
                 self._url,
-                data=json.dumps(body),
+                data=_dumps(body),
                 params=self._params,
                 timeout=self._timeout(timeout),
             ) as resp:
@@ -217,7 +218,7 @@ class AiohttpTransport:
         if status >= 400:
             raise error_from_body(status, text, headers, self._secret)
         try:
-            payload = json.loads(text)
+            payload = _loads(text)
         except ValueError as exc:
             raise ProviderError(
                 MALFORMED_RESPONSE,
@@ -231,6 +232,26 @@ class AiohttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _dumps(body: dict[str, Any]) -> bytes | str:
+    """The request's JSON. orjson takes a twentieth of json's time (4 us of a request's 170 in
+    benchmarks/overhead.py); what it refuses (a lone surrogate in a row's text, an int over 64
+    bits) goes through json, as before. Non-finite numbers, which orjson writes as null, never
+    get here: the engine fails such a request (`Engine._prepare`)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body)
+
+
+def _loads(text: str) -> Any:
+    """An answer's JSON: orjson, and json for what orjson refuses (a lone surrogate escape,
+    which json reads and the answer's checks then handle)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
 
 
 _EXTRA_BODY_FIELDS = ("structured_outputs", "guided_json")
