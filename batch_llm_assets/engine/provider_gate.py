@@ -136,9 +136,9 @@ class _Dimension:
         1 / rate, the time between two snapshots moves it back as much. So between the earliest
         answered send and this one, `rate = units sent between / (reset moved + time between)`,
         while the bucket is neither full nor refusing (a non-binding limit's bucket stays near
-        full and its refill goes to waste: read there, the rate fell 10 % at each answer). Providers that send no
-        x-ratelimit-limit-* (or a wrong one) show their real rate this way in a job's first
-        burst, before a limit configured too high meets a 429."""
+        full and its refill goes to waste: read there, the rate fell 10 % at each answer).
+        Providers that send no x-ratelimit-limit-* (or a wrong one) show their real rate this
+        way in a job's first burst, before a limit configured too high meets a 429."""
         if not self.probing or reset_s <= 0:
             return
         if self.origin is None or at < self.origin[0]:
@@ -311,14 +311,14 @@ class ProviderGate:
 class RemainingViews:
     """The provider's remaining at an answer's snapshot, as the median of the latest answers'.
 
-    The provider counts sends in the order they arrive, not the order this engine counted them
-    (a request on a new connection goes out later than one on a reused one): an answer whose
-    request was overtaken shows the overtakers gone already, and the engine (`_less_unseen`)
-    takes them off again. In a job's first burst that made the schedule's clamp a second or two short on a
-    minute's bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate
-    (up to the bucket) to this answer's time, is its view; the median of the latest views
-    stands for this answer's. For an engine alone on the key only: with others, a view lacks
-    their sends since, which only the latest answer shows."""
+    The provider counts sends in the order they arrive, not the order this engine counted them (a
+    request on a new connection goes out later than one on a reused one): an answer whose request
+    was overtaken shows the overtakers gone already, and the engine (`_less_unseen`) takes them off
+    again. In a job's first burst that made the schedule's clamp a second or two short on a minute's
+    bucket. Each answer's `remaining + sends counted up to it`, refilled at the rate (up to the
+    bucket) to this answer's time, is its view; the median of the latest views stands for this
+    answer's. For an engine alone on the key only: with others, a view lacks their sends since,
+    which only the latest answer shows."""
 
     def __init__(self) -> None:
         self._tokens: deque[tuple[float, float, float, float]] = deque(maxlen=C.REMAINING_ANSWERS)
