@@ -118,8 +118,8 @@ async def wait_results(client, key: str, n: int, timeout: float = 20.0) -> list[
 
 
 async def bounded(coro, timeout_s: float):
-    """Await `coro`; if it hangs, fail with every task's stack (this test hung once in a
-    full-suite run, 2026-11-25, and pytest-timeout showed only an idle event loop)."""
+    """Await `coro`; if it hangs, fail with every task's stack (this test hung in 2 of 18 runs
+    of this file: the backlog poller lost its cancel in a redis-py call, test_cancel.py)."""
     task = asyncio.ensure_future(coro)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..engine import cancel_and_wait
 from ..engine import errors as E
 from ..engine.engine import ChatResult
 from ..engine.errors import redact
@@ -303,9 +304,9 @@ class PartitionRun:
             finally:
                 self.reader.stop()
                 failed.cancel()
-                for task in (consumer, writing):
-                    task.cancel()
-                await asyncio.gather(consumer, writing, return_exceptions=True)
+                # Again after 2 s only: the engine's own stop (its workers cancelled, again
+                # each second, then its source closed) runs in the consumer's task.
+                await cancel_and_wait((consumer, writing), every_s=2.0)
         self.journal.clear()  # everything is in the warehouse now
         self.stats.wall_s = time.monotonic() - started
 
@@ -367,7 +368,8 @@ async def _write_what_arrived(writer: ChunkWriter, writing: asyncio.Task[None]) 
     it stays in the journal for the next run)."""
     await writer.close()
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(asyncio.shield(writing), 30)
+        async with asyncio.timeout(30):
+            await asyncio.shield(writing)
 
 
 @contextlib.contextmanager

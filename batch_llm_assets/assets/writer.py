@@ -170,8 +170,9 @@ class ChunkWriter:
             delay = self._last + self.interval_s - time.monotonic()
             while delay > 0 and len(self.pending) < self.max_rows and not self._closing:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                try:  # asyncio.timeout: wait_for can lose a cancel on 3.11 (engine/cancel.py)
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
                 except TimeoutError:
                     break
                 delay = self._last + self.interval_s - time.monotonic()
@@ -179,7 +180,8 @@ class ChunkWriter:
             eta = self._eta() if self._eta is not None and not self._closing else None
             if eta is not None and eta <= self._last_duration:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closed.wait(), 1.5 * eta + 0.05)
+                    async with asyncio.timeout(1.5 * eta + 0.05):
+                        await self._closed.wait()
                 take = 2 * self.max_rows  # the last answers in one write (`room` bounds them)
             rows = self.pending[:take]
             del self.pending[:take]

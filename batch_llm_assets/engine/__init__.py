@@ -1,6 +1,7 @@
 """The engine: a plain async library (no Dagster) that sends many chat requests through a shared
 Redis limiter, with retries, token estimation, transports and its own errors."""
 
+from .cancel import cancel_and_wait
 from .engine import ChatRequest, ChatResult, Engine, EngineSettings
 from .errors import BatchLLMError, LimiterUnavailableError, ProviderError
 from .limiter import Grant, LimiterSettings, RedisLimiter, limiter_namespace
@@ -19,6 +20,7 @@ __all__ = [
     "LimiterUnavailableError",
     "ProviderError",
     "RedisLimiter",
+    "cancel_and_wait",
     "count_prompt_tokens",
     "limiter_namespace",
 ]

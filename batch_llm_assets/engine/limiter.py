@@ -133,7 +133,8 @@ async def check_redis(client, url: str, *, timeout_s: float = C.REDIS_CONNECT_TI
     seconds with a clear message instead of every row waiting out an 'outage'."""
     where = _where(url)
     try:
-        await asyncio.wait_for(client.ping(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await client.ping()
     except AuthenticationError as exc:
         raise LimiterUnavailableError(
             f"Limiter Redis at {where} refused the credentials: {exc}. Check the user and "

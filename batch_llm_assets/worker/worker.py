@@ -13,7 +13,7 @@ import logging
 import random
 import time
 
-from ..engine import Engine
+from ..engine import Engine, cancel_and_wait
 from ..engine import errors as E
 from . import messages as M
 from .metrics import WorkerMetrics
@@ -91,9 +91,7 @@ class Worker:
         finally:
             self.stopping = True
             await self._drain()
-            for t in side:
-                t.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            await cancel_and_wait(side)  # a poller's lost cancel hung the stop (cancel.py)
 
     def _done(self, task: asyncio.Task) -> None:
         self._held.pop(task, None)
@@ -113,9 +111,7 @@ class Worker:
             )
             await asyncio.wait(tasks, timeout=self.s.drain_timeout_s)
         left = {t: m for t, m in self._held.items() if not t.done()}
-        for t in left:
-            t.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+        await cancel_and_wait(left)
         if left:
             returned = await self.queue.release(list(left.values()))
             log.info("Handed %d unfinished messages back to the queue.", returned)
