@@ -113,7 +113,8 @@ local lb = tonumber(st[9]) or 0
 -- an engine not settled. Inherited whole, the first burst of the runs that followed one on the
 -- key met the provider's bucket edge: a 429 in 5 of 10 such partitions of `make demo`.
 local la = tonumber(st[11]) or 0
-if la == 1 and st[12] ~= engine_id then
+local se = st[12]  -- the engine that settled on the key last (`observe`)
+if la == 1 and se ~= engine_id then
   local held = lb + ALONE_MARGIN
   lb = held - math.max(burst, 0.1 * held)
   la = 0
@@ -363,7 +364,7 @@ if op == 'observe' then
   -- connection) must not take the margin back, or the burst flips and wakes every sleeper.
   if settled == 1 then
     redis.call('HSET', KEYS[1], 'se', engine_id)
-  elseif engine_id ~= '' and redis.call('HGET', KEYS[1], 'se') == engine_id then
+  elseif engine_id ~= '' and se == engine_id then
     settled = 1
   end
   local engines = engines_now()
