@@ -311,7 +311,7 @@ def test_a_wrong_redis_password_fails_the_run_with_a_clear_message(fresh_sim):
         url = server.url.replace("redis://", "redis://default:not-the-password@")
         llm = make(fresh_sim, rpm=600, redis_url=url)
         started = time.monotonic()
-        with pytest.raises(E.LimiterUnavailableError) as info:
+        with pytest.raises(E.LimiterAuthError) as info:
             run_engine(llm, [ChatRequest(1, user("x"))])
     assert time.monotonic() - started < 10
     assert "not-the-password" not in str(info.value)

@@ -25,6 +25,7 @@ NOT_FOUND = "not_found"
 CONFLICT = "conflict"
 UNPROCESSABLE = "unprocessable"
 LIMITER_UNAVAILABLE = "limiter_unavailable"
+LIMITER_ERROR = "limiter_error"
 ABORTED = "aborted"
 # Typed outputs (assets/structured.py, engine/structured.py).
 INVALID_OUTPUT = "invalid_output"  # not JSON, off the schema, or truncated, after repairs
@@ -66,8 +67,29 @@ class BatchLLMError(Exception):
         self.metadata = dict(metadata or {})
 
 
-class LimiterUnavailableError(BatchLLMError):
-    """The Redis server behind the limiter could not be reached in time."""
+class LimiterError(BatchLLMError):
+    """The limiter's Redis failed a call; the subclass says how (redis_client.error_kind)."""
+
+    error_class = "limiter_error"
+
+
+class LimiterUnavailableError(LimiterError):
+    """The Redis server behind the limiter could not be reached in time (down, failing over,
+    loading its data), or stayed so for longer than the outage budget."""
+
+    error_class = "limiter_unavailable"
+
+
+class LimiterAuthError(LimiterError):
+    """The limiter's Redis refused the credentials or the permissions (WRONGPASS, NOPERM)."""
+
+
+class LimiterScriptError(LimiterError):
+    """The limiter's Lua script failed on the server: a bug of ours, never retried."""
+
+
+class LimiterRefusedError(LimiterError):
+    """The limiter's Redis refused a command for a reason no retry fixes (OOM, a wrong type)."""
 
 
 class ProviderError(Exception):

@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _constants as C
 from .errors import LimiterUnavailableError
+from .redis_client import check_redis, connect_redis  # noqa: F401 (re-exported)
 from .usage import ProviderLimits
 
 log = logging.getLogger(__name__)
@@ -105,49 +106,6 @@ class _Warnings:
         held = self._held.pop(kind, 0)
         self._last[kind] = now
         log.warning(msg + (f" ({held} more like it not shown)" if held else ""), *args)
-
-
-def connect_redis(url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S):
-    """A client for a redis://, rediss://, unix:// URL, or a Redis Cluster for
-    redis+cluster:// / rediss+cluster:// (every key of one limiter shares one hash slot)."""
-    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    for prefix in ("redis+cluster://", "rediss+cluster://"):
-        if url.startswith(prefix):
-            plain = url.replace("+cluster", "", 1)
-            return aioredis.RedisCluster.from_url(plain, **opts)
-    # Blocking: a command waits for a free connection instead of opening one more.
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=C.REDIS_MAX_CONNECTIONS, timeout=None, **opts
-    )
-    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
-
-
-def _where(url: str) -> str:
-    """The URL without its password, for messages."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rsplit('@', 1)[-1]}"
-
-
-async def check_redis(client, url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S) -> None:
-    """Connect and authenticate now, so a wrong password, port or TLS setting fails the run in
-    seconds with a clear message instead of every row waiting out an 'outage'."""
-    where = _where(url)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await client.ping()
-    except AuthenticationError as exc:
-        raise LimiterUnavailableError(
-            f"Limiter Redis at {where} refused the credentials: {exc}. Check the user and "
-            "password in redis_url."
-        ) from exc
-    except ResponseError as exc:
-        raise LimiterUnavailableError(f"Limiter Redis at {where} refused PING: {exc}") from exc
-    except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as exc:
-        raise LimiterUnavailableError(
-            f"Limiter Redis at {where} could not be reached within {timeout_s:.0f} s "
-            f"({type(exc).__name__}: {exc}). Check the host, the port and rediss:// (TLS) in "
-            "redis_url."
-        ) from exc
 
 
 class RedisLimiter:

@@ -12,14 +12,9 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
-from ..engine.limiter import (
-    LimiterSettings,
-    RedisLimiter,
-    check_redis,
-    connect_redis,
-    limiter_namespace,
-)
+from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
 from ..engine.profiles import Profile, discover_context_window, profile_for
+from ..engine.redis_client import check_redis, connect_redis
 from ..engine.transport import TRANSPORTS
 from ..engine.valkey import EmbeddedValkey
 

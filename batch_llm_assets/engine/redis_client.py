@@ -1,0 +1,140 @@
+"""The limiter's Redis: connect, check, and what a Redis error means.
+
+redis-py turns a reply's error code into an exception class (`ReadOnlyError`, `MovedError`,
+...) and strips the code from the message, so errors are told apart by class (and by
+`status_code`), never by message text; the one exception is `BUSY` (a script running too long),
+which redis-py leaves a plain `ResponseError` that starts with its code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from typing import Literal
+
+import redis.asyncio as aioredis
+from redis import exceptions as rx
+
+from . import _constants as C
+from .errors import (
+    LimiterAuthError,
+    LimiterError,
+    LimiterRefusedError,
+    LimiterScriptError,
+    LimiterUnavailableError,
+)
+
+ErrorKind = Literal["outage", "auth", "script", "refused"]
+
+# A failover or a resharding in progress, or a server still loading its data: what an outage
+# looks like from a client; retried until the outage budget runs out.
+_OUTAGE_CLASSES = (
+    rx.ConnectionError,  # includes BusyLoadingError (LOADING) and MaxConnectionsError
+    rx.TimeoutError,
+    rx.ReadOnlyError,  # READONLY: the node became a replica
+    rx.AskError,  # ASK, and MOVED (a subclass): slots moving
+    rx.TryAgainError,  # TRYAGAIN
+    rx.ClusterDownError,  # CLUSTERDOWN, and MASTERDOWN (a subclass)
+    rx.SlotNotCoveredError,
+    OSError,
+)
+_AUTH_CLASSES = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    """What a Redis error means for a caller: an outage to wait out, refused credentials or
+    permissions, a bug in our script, or a refusal no retry fixes (OOM, a wrong type)."""
+    if isinstance(exc, _AUTH_CLASSES):
+        return "auth"
+    if isinstance(exc, _OUTAGE_CLASSES):
+        return "outage"
+    if isinstance(exc, rx.ResponseError) and str(exc).startswith("BUSY"):
+        return "outage"
+    if isinstance(exc, rx.NoScriptError):
+        return "script"
+    if isinstance(exc, rx.ResponseError) and "script" in str(exc).lower():
+        return "script"
+    return "refused"
+
+
+_KINDS: dict[str, type[LimiterError]] = {
+    "outage": LimiterUnavailableError,
+    "auth": LimiterAuthError,
+    "script": LimiterScriptError,
+    "refused": LimiterRefusedError,
+}
+
+
+def limiter_error(exc: BaseException, where: str, doing: str) -> LimiterError:
+    """The library's error for a Redis error, naming the server (without its password)."""
+    kind = error_kind(exc)
+    what = {
+        "outage": "is unavailable",
+        "auth": "refused the credentials or permissions",
+        "script": "failed running the limiter's script",
+        "refused": "refused the command",
+    }[kind]
+    return _KINDS[kind](
+        f"Limiter Redis at {where} {what} while {doing} ({type(exc).__name__}: {exc})"
+    )
+
+
+def safe_url(url: str) -> str:
+    """The URL for messages: no password in the user part or in the query string."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable redis url>"
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    if parts.username:
+        host = f"{parts.username}:***@{host}" if parts.password else f"{parts.username}@{host}"
+    elif parts.password:
+        host = f":***@{host}"
+    query = urllib.parse.urlencode(
+        [
+            (k, "***" if k.lower() in ("password", "pass", "pwd", "token") else v)
+            for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        ]
+    )
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, query, ""))
+
+
+def connect_redis(url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S):
+    """A client for a redis://, rediss://, unix:// URL, or a Redis Cluster for
+    redis+cluster:// / rediss+cluster:// (every key of one limiter shares one hash slot)."""
+    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    for prefix in ("redis+cluster://", "rediss+cluster://"):
+        if url.startswith(prefix):
+            plain = url.replace("+cluster", "", 1)
+            return aioredis.RedisCluster.from_url(plain, **opts)
+    # Blocking: a command waits for a free connection instead of opening one more.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=C.REDIS_MAX_CONNECTIONS, timeout=None, **opts
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
+
+
+async def check_redis(client, url: str, *, timeout_s: float = C.REDIS_CONNECT_TIMEOUT_S) -> None:
+    """Connect and authenticate now, so a wrong password, port or TLS setting fails the run in
+    seconds with a clear message instead of every row waiting out an 'outage'."""
+    where = safe_url(url)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.ping()
+    except TimeoutError as exc:
+        raise LimiterUnavailableError(
+            f"Limiter Redis at {where} could not be reached within {timeout_s:.0f} s. Check "
+            "the host, the port and rediss:// (TLS) in redis_url."
+        ) from exc
+    except (rx.RedisError, OSError) as exc:
+        err = limiter_error(exc, where, "connecting")
+        if isinstance(err, LimiterUnavailableError):
+            err = LimiterUnavailableError(
+                f"Limiter Redis at {where} could not be reached ({type(exc).__name__}: {exc}). "
+                "Check the host, the port and rediss:// (TLS) in redis_url."
+            )
+        elif isinstance(err, LimiterAuthError):
+            err = LimiterAuthError(f"{err.description}. Check the user and password in redis_url.")
+        raise err from exc
