@@ -38,6 +38,13 @@ class Breaker:
         self.rows_started = 0
         self.retries = 0
 
+    def reset(self) -> None:
+        """Close again: a long-running caller (the queue worker) probes after a cool-down."""
+        self.reason = None
+        self._fatal_streak = 0
+        self._signature = None
+        self._rows = 0
+
     def row_started(self) -> None:
         self.rows_started += 1
 
