@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from ..engine import ChatRequest, ChatResult
 from ..engine import errors as E
 from ..engine.outcome import ANSWER_CLASSES
+from . import _constants as K
 
 # llm-d's result error codes (api.ErrCode*).
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
@@ -41,8 +43,17 @@ RETRYABLE_CLASSES = frozenset(
 _INVALID_CLASSES = frozenset(
     {E.EMPTY_PROMPT, E.CONTEXT_LENGTH, E.BAD_REQUEST, E.UNPROCESSABLE, E.PROMPT_RENDER}
 )
-# Chat-completion parameters the engine owns or cannot honour in a queue.
-_UNSUPPORTED_PARAMS = ("stream", "n")
+# Chat-completion parameters of one JSON type: a wrong one is refused before anything is paid.
+_TYPED_PARAMS: dict[str, type | tuple[type, ...]] = {
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "seed": int,
+    "top_logprobs": int,
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+}
 
 
 class InvalidMessage(ValueError):
@@ -67,6 +78,12 @@ class RequestMessage:
     endpoint: str = ""
     retry_count: int = 0
 
+    @property
+    def producer(self) -> str:
+        """Who sent it, for the breaker's scope: metadata.producer ("" when not named)."""
+        producer = self.metadata.get("producer")
+        return producer if isinstance(producer, str) else ""
+
     def to_chat_request(self, model: str) -> ChatRequest:
         """The engine's request: `messages`, and every other payload key as a parameter."""
         requested = self.payload.get("model")
@@ -85,42 +102,38 @@ class RequestMessage:
         """The member to re-enqueue: the same request, its retry count one higher."""
         data = json.loads(self.raw)
         if isinstance(data.get("data"), dict):
-            data.setdefault("internal", {})["retry_count"] = self.retry_count + 1
+            if not isinstance(data.get("internal"), dict):
+                data["internal"] = {}
+            data["internal"]["retry_count"] = self.retry_count + 1
         else:
             data["retry_count"] = self.retry_count + 1
         return json.dumps(data, separators=(",", ":"))
 
 
-def _unix(value: Any, name: str, msg_id: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidMessage(f"{name} must be a positive number of Unix seconds", msg_id)
+def _deadline(value: Any, msg_id: str) -> float:
+    """Unix seconds, finite, not before 2001 and not more than a year ahead (milliseconds)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidMessage("deadline must be a number of Unix seconds", msg_id)
+    if not math.isfinite(value):
+        raise InvalidMessage(
+            f"deadline must be a finite number of Unix seconds, got {value}", msg_id
+        )
+    if value < K.EARLIEST_DEADLINE_S:
+        raise InvalidMessage(
+            f"deadline {value} is not Unix seconds (before 2001): an absolute time is needed, "
+            "not a number of seconds from now",
+            msg_id,
+        )
+    if value > time.time() + K.MAX_DEADLINE_AHEAD_S:
+        raise InvalidMessage(
+            f"deadline {value} is more than a year ahead: Unix seconds are needed, not "
+            "milliseconds",
+            msg_id,
+        )
     return float(value)
 
 
-def parse_message(raw: str | bytes) -> RequestMessage:
-    """Validate one queue member; raise InvalidMessage naming the problem."""
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise InvalidMessage(f"message is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidMessage("message must be a JSON object")
-    retry_count = data.get("retry_count", 0)
-    if isinstance(data.get("data"), dict):  # llm-d's persistence envelope
-        internal = data.get("internal") if isinstance(data.get("internal"), dict) else {}
-        retry_count = internal.get("retry_count", 0)
-        data = data["data"]
-    msg_id = data.get("id")
-    if not isinstance(msg_id, str | int) or isinstance(msg_id, bool) or str(msg_id) == "":
-        raise InvalidMessage("id is missing or not a string")
-    msg_id = str(msg_id)
-    deadline = _unix(data.get("deadline"), "deadline", msg_id)
-    created = data.get("created")
-    payload = data.get("payload")
-    if not isinstance(payload, dict):
-        raise InvalidMessage("payload must be a JSON object (a chat completion body)", msg_id)
-    messages = payload.get("messages")
+def _check_messages(messages: Any, payload: dict[str, Any], msg_id: str) -> None:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         hint = " (payload.prompt is for /v1/completions)" if "prompt" in payload else ""
         raise InvalidMessage(
@@ -128,9 +141,82 @@ def parse_message(raw: str | bytes) -> RequestMessage:
             f"completions{hint}",
             msg_id,
         )
-    for key in _UNSUPPORTED_PARAMS:
-        if payload.get(key) not in (None, False, 1):
-            raise InvalidMessage(f"payload.{key} is not supported by this worker", msg_id)
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role is None:
+            raise InvalidMessage(
+                f"payload.messages[{i}] has no role (system, user, assistant, ...)", msg_id
+            )
+        if not isinstance(role, str) or not role:
+            raise InvalidMessage(f"payload.messages[{i}].role must be a non-empty string", msg_id)
+        if not isinstance(m.get("content"), str | list | None):
+            raise InvalidMessage(
+                f"payload.messages[{i}].content must be a string, a list of parts or null", msg_id
+            )
+
+
+def _check_params(payload: dict[str, Any], msg_id: str) -> None:
+    """The parameters the worker reads or that must be of one type, checked before any send."""
+    stream = payload.get("stream")
+    if stream is not None and stream is not False:
+        raise InvalidMessage(
+            f"payload.stream must be false or absent (got {stream!r}): this worker does not "
+            "stream answers",
+            msg_id,
+        )
+    n = payload.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise InvalidMessage(f"payload.n must be 1 or absent (got {n!r})", msg_id)
+    for key, kind in _TYPED_PARAMS.items():
+        value = payload.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind):
+            what = "an integer" if kind is int else "a number"
+            raise InvalidMessage(f"payload.{key} must be {what}, got {value!r}", msg_id)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidMessage(f"payload.{key} must be finite, got {value}", msg_id)
+        if key in ("max_tokens", "max_completion_tokens") and value < 1:
+            raise InvalidMessage(f"payload.{key} must be at least 1, got {value}", msg_id)
+
+
+def _envelope(text: str) -> tuple[dict[str, Any], Any]:
+    """The request object and its retry count, bare or in llm-d's persistence envelope."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidMessage(f"message is not JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise InvalidMessage("message must be a JSON object")
+    retry_count = data.get("retry_count", 0)
+    if isinstance(data.get("data"), dict):  # llm-d's persistence envelope
+        internal = data.get("internal") if isinstance(data.get("internal"), dict) else {}
+        retry_count = internal.get("retry_count", 0)
+        data = data["data"]
+    return data, retry_count
+
+
+def parse_message(raw: str | bytes) -> RequestMessage:
+    """Validate one queue member; raise InvalidMessage naming the problem."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    data, retry_count = _envelope(text)
+    msg_id = data.get("id")
+    if not isinstance(msg_id, str | int) or isinstance(msg_id, bool) or str(msg_id) == "":
+        raise InvalidMessage("id is missing or not a string")
+    msg_id = str(msg_id)
+    deadline = _deadline(data.get("deadline"), msg_id)
+    created = data.get("created")
+    if created is not None and (
+        isinstance(created, bool)
+        or not isinstance(created, int | float)
+        or not math.isfinite(created)
+    ):
+        raise InvalidMessage(f"created must be Unix seconds, got {created!r}", msg_id)
+    payload = data.get("payload")
+    if not isinstance(payload, dict):
+        raise InvalidMessage("payload must be a JSON object (a chat completion body)", msg_id)
+    _check_messages(payload.get("messages"), payload, msg_id)
+    _check_params(payload, msg_id)
     endpoint = data.get("endpoint") or ""
     if not isinstance(endpoint, str) or (
         endpoint and not endpoint.rstrip("/").endswith("chat/completions")
@@ -147,21 +233,43 @@ def parse_message(raw: str | bytes) -> RequestMessage:
         deadline=deadline,
         payload=payload,
         raw=text,
-        created=float(created) if isinstance(created, int | float) else None,
+        created=float(created) if created is not None else None,
         metadata=metadata,
         headers=headers,
         endpoint=endpoint,
-        retry_count=retry_count if isinstance(retry_count, int) else 0,
+        retry_count=retry_count if type(retry_count) is int and retry_count >= 0 else 0,
     )
 
 
-def result_key(msg_id: str, raw: str) -> str:
+def id_key(msg_id: str) -> str:
+    """The id as it goes into Redis key names: a digest when it is long."""
+    if len(msg_id) <= K.MAX_ID_IN_KEY:
+        return msg_id
+    return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def result_key(msg_id: str, raw: str | bytes) -> str:
     """Idempotency key of a result: the id, or a digest of the member when it has none."""
-    return msg_id or "sha256:" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+    if msg_id:
+        return id_key(msg_id)
+    data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:32]
+
+
+def storable(text: str) -> str:
+    """Text Redis takes: a lone UTF-16 surrogate (an answer can carry one) becomes U+FFFD, as the
+    asset pipeline's writer does; a valid pair becomes its character."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _dump(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return storable(json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
 
 
 def error_result(msg_id: str, code: str, message: str) -> str:
@@ -217,3 +325,29 @@ def failed_code(result: ChatResult) -> str:
     if result.error_class in _INVALID_CLASSES:
         return INVALID_REQUEST
     return INFERENCE_ERROR
+
+
+def dead_letter_entry(
+    *,
+    msg_id: str,
+    member: bytes,
+    cause: str,
+    deliveries: int,
+    queue: str,
+    result: str,
+    answer: str | None,
+) -> str:
+    """What the dead-letter list keeps of a message: the member as read, why it is there, the
+    error result sent for it, and the answer already paid for, if there was one."""
+    return _dump(
+        {
+            "id": msg_id,
+            "queue": queue,
+            "cause": cause,
+            "deliveries": deliveries,
+            "dead_lettered_at": round(time.time(), 3),
+            "result": result,
+            "answer": answer,
+            "message": member.decode("utf-8", "replace"),
+        }
+    )
