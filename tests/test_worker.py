@@ -31,7 +31,7 @@ from batch_llm_assets.worker import (
     submit,
 )
 from batch_llm_assets.worker.cli import add_arguments, duration, settings_from_args
-from batch_llm_assets.worker.queue import cancel_key
+from batch_llm_assets.worker.queue import Held, cancel_key
 
 from .conftest import SIM_KEY
 
@@ -289,7 +289,7 @@ def test_results_are_idempotent_by_id(fresh_sim, valkey_url, prefix):
             await wait_results(client, queues.result_list, 2)
             await asyncio.sleep(0.3)
             # Two workers finishing the same message: the second result is dropped.
-            second = await parts.queue.ack("member-x", '{"id":"once"}', "once")
+            second = await parts.queue.ack(Held(b"member-x"), '{"id":"once"}', "once")
         rows = await client.lrange(queues.result_list, 0, -1)
         await client.aclose()
         return [json.loads(r)["id"] for r in rows], second

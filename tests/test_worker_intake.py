@@ -1,6 +1,6 @@
 """The worker's intake on real Valkey and the simulator over HTTP: what is refused before
-anything is paid (stream, deadlines, roles, typed params), and answers that carry a lone
-surrogate (issue 27)."""
+anything is paid (stream, deadlines, roles, typed params), a bad field the claim scripts meet,
+and answers that carry a lone surrogate (issue 27)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,38 @@ def test_numeric_params_are_typed_before_anything_is_paid(fresh_sim, valkey_url,
         assert f"payload.{next(iter(params))}" in got[k]["error_message"], k
     assert got["fine"]["status_code"] == 200
     assert fresh_sim.stats()["received"] == 1
+
+
+def test_claim_scripts_keep_a_message_with_a_nan_deadline(fresh_sim, valkey_url, prefix):
+    """Reclaimed from processing or back from the retry set, a NaN deadline made the claim
+    script's ZADD fail after its ZREM: 22 messages, 21 results. Now every one is answered."""
+    queues = names(prefix)
+    good = [f"g{i}" for i in range(20)]
+    nan_member = json.dumps(message("nan-reclaimed") | {"deadline": math.nan})
+    inf_member = json.dumps(message("inf-retried") | {"deadline": math.inf})
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        for i in good:
+            await submit(client, message(i), sortedset=queues.request_sortedset)
+        # Left by a dead worker (visibility long expired), and due in the retry set.
+        await client.zadd(queues.processing_set, {nan_member: 0})
+        await client.zadd(queues.retry_sortedset, {inf_member: 0})
+        async with running(settings(fresh_sim, valkey_url, queues)):
+            results = await wait_results(client, queues.result_list, len(good) + 2, timeout=15)
+        left = [
+            await client.zcard(k)
+            for k in (queues.request_sortedset, queues.processing_set, queues.retry_sortedset)
+        ]
+        await client.aclose()
+        return by_id(results), left
+
+    got, left = asyncio.run(main())
+    assert got["nan-reclaimed"]["error_code"] == INVALID_REQUEST
+    assert got["inf-retried"]["error_code"] == INVALID_REQUEST
+    assert all(got[i]["status_code"] == 200 for i in good)
+    assert left == [0, 0, 0]
+    assert fresh_sim.stats()["received"] == len(good)
 
 
 def test_an_answer_with_a_lone_surrogate_is_stored_once(fresh_sim, valkey_url, prefix):

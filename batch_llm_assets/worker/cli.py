@@ -101,6 +101,14 @@ _OPTIONS = [
         "Processing set; default <request queue>:processing.",
     ),
     (
+        "--redis.dead-letter-name",
+        "dead_letter",
+        None,
+        str,
+        None,
+        "Dead-letter list; default <request queue>:dead-letter.",
+    ),
+    (
         "--redis.ss.poll-interval-ms",
         "poll_interval_ms",
         None,
@@ -150,6 +158,24 @@ _OPTIONS = [
         1,
         "HTTP attempts per dispatch; further retries go through the retry set.",
     ),
+    (
+        "--max-deliveries",
+        "max_deliveries",
+        None,
+        int,
+        3,
+        "Deliveries of a message whose handling fails (or whose worker dies) before it is "
+        "answered with an error and dead-lettered.",
+    ),
+    (
+        "--breaker-cooldown",
+        "breaker_cooldown_s",
+        None,
+        duration,
+        "30s",
+        "How long an open breaker scope (the endpoint, a producer) holds its messages before a "
+        "probe; doubled after each failed probe, up to 10m.",
+    ),
     ("--retry-initial-delay", "retry_initial_s", None, duration, "1s", "First retry backoff."),
     ("--retry-max-delay", "retry_max_s", None, duration, "1m", "Longest retry backoff."),
     (
@@ -193,6 +219,7 @@ _QUEUE_FIELDS = (
     "result_list",
     "result_stream",
     "processing",
+    "dead_letter",
 )
 
 

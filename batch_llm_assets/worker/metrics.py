@@ -7,6 +7,7 @@ its Grafana dashboard and alerts work unchanged; ours are `batch_llm_worker_*`.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import (
@@ -31,46 +32,53 @@ class WorkerMetrics:
     """One registry per worker (several workers can live in one test process)."""
 
     def __init__(self, *, queue_name: str, pool_name: str = "default") -> None:
-        self.registry = r = CollectorRegistry()
-        labels = (queue_name, queue_name, pool_name)
+        self.registry = CollectorRegistry()
+        self._labels = (queue_name, queue_name, pool_name)
+        self._llm_d_series(pool_name)
+        self._our_series()
+        self._delivery_series()
 
-        def counter(prefix: str, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, (*_QUEUE, *extra), subsystem=prefix, registry=r)
+    def _counter(self, prefix: str, name: str, doc: str) -> Any:
+        counter = Counter(name, doc, _QUEUE, subsystem=prefix, registry=self.registry)
+        return counter.labels(*self._labels)
 
-        def gauge(prefix: str, name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, _QUEUE, subsystem=prefix, registry=r).labels(*labels)
+    def _gauge(self, prefix: str, name: str, doc: str) -> Any:
+        gauge = Gauge(name, doc, _QUEUE, subsystem=prefix, registry=self.registry)
+        return gauge.labels(*self._labels)
 
-        self.requests = counter(
+    def _llm_d_series(self, pool_name: str) -> None:
+        """llm-d's names and labels, so its dashboards and alerts work unchanged."""
+        self.requests = self._counter(
             _LLMD, "async_request", "New async requests (first attempt only)."
-        ).labels(*labels)
-        self.retries = counter(_LLMD, "async_request_retries", "Retry attempts.").labels(*labels)
-        self.successful = counter(
+        )
+        self.retries = self._counter(_LLMD, "async_request_retries", "Retry attempts.")
+        self.successful = self._counter(
             _LLMD, "async_successful_requests", "Requests answered successfully."
-        ).labels(*labels)
-        self.failed = counter(
+        )
+        self.failed = self._counter(
             _LLMD, "async_failed_requests", "Requests failed with a non-retryable error."
-        ).labels(*labels)
-        self.exceeded_deadline = counter(
+        )
+        self.exceeded_deadline = self._counter(
             _LLMD, "async_exceeded_deadline_requests", "Requests past their deadline, not sent."
-        ).labels(*labels)
-        self.shedded = counter(
+        )
+        self.shedded = self._counter(
             _LLMD, "async_shedded_requests", "HTTP 429 answers from the provider."
-        ).labels(*labels)
+        )
         self.inference_latency = Histogram(
             "async_inference_latency_time_millis",
             "Time spent calling the provider, in milliseconds (limiter wait excluded).",
             _QUEUE,
             subsystem=_LLMD,
             buckets=_LATENCY_MS,
-            registry=r,
-        ).labels(*labels)
-        self.queue_depth = gauge(
+            registry=self.registry,
+        ).labels(*self._labels)
+        self.queue_depth = self._gauge(
             _LLMD, "async_queue_depth", "Messages claimed by this worker awaiting dispatch."
         )
-        self.inflight = gauge(
+        self.inflight = self._gauge(
             _LLMD, "async_inflight_requests", "Requests being processed by this worker."
         )
-        self.backlog = gauge(
+        self.backlog = self._gauge(
             _LLMD, "async_broker_backlog", "Messages waiting in the request sorted set and list."
         )
         self.pool_worker_limit = Gauge(
@@ -78,55 +86,83 @@ class WorkerMetrics:
             "Configured concurrency of this worker.",
             ("pool_name",),
             subsystem=_LLMD,
-            registry=r,
+            registry=self.registry,
         ).labels(pool_name)
 
-        self.dispatched = counter(
+    def _our_series(self) -> None:
+        """What llm-d has no series for: the engine's and the limiter's view."""
+        self.dispatched = self._counter(
             _OURS, "dispatched_requests", "Messages handed to the engine (each attempt)."
-        ).labels(*labels)
-        self.tokens = counter(
-            _OURS, "tokens", "Tokens the provider counted, by direction.", ("direction",)
         )
-        self.input_tokens = self.tokens.labels(*labels, "input")
-        self.output_tokens = self.tokens.labels(*labels, "output")
-        self.invalid = counter(
+        self.tokens = Counter(
+            "tokens",
+            "Tokens the provider counted, by direction.",
+            (*_QUEUE, "direction"),
+            subsystem=_OURS,
+            registry=self.registry,
+        )
+        self.input_tokens = self.tokens.labels(*self._labels, "input")
+        self.output_tokens = self.tokens.labels(*self._labels, "output")
+        self.invalid = self._counter(
             _OURS, "invalid_messages", "Malformed messages answered INVALID_REQUEST."
-        ).labels(*labels)
-        self.reclaimed = counter(
+        )
+        self.reclaimed = self._counter(
             _OURS, "reclaimed_messages", "Messages whose visibility expired (a worker died)."
-        ).labels(*labels)
-        self.cancelled = counter(
+        )
+        self.cancelled = self._counter(
             _OURS, "cancelled_messages", "Messages cancelled by their producer, not sent."
-        ).labels(*labels)
-        self.duplicates = counter(
+        )
+        self.duplicates = self._counter(
             _OURS, "duplicate_messages", "Deliveries of an id whose result was already written."
-        ).labels(*labels)
-        self.retry_backlog = gauge(_OURS, "retry_backlog", "Messages waiting in the retry set.")
-        self.processing = gauge(
+        )
+        self.retry_backlog = self._gauge(
+            _OURS, "retry_backlog", "Messages waiting in the retry set."
+        )
+        self.processing = self._gauge(
             _OURS, "processing_messages", "Messages in the processing set (all workers)."
         )
-        self.grants = counter(
+        self.grants = self._counter(
             _OURS, "limiter_grants", "Requests granted by the shared limiter (rate = granted rate)."
-        ).labels(*labels)
-        self.granted_tokens = counter(
+        )
+        self.granted_tokens = self._counter(
             _OURS, "limiter_granted_tokens", "Tokens reserved by granted requests."
-        ).labels(*labels)
+        )
         self.limiter_wait = Histogram(
             "limiter_wait_seconds",
             "Wait the limiter scheduled before a send.",
             _QUEUE,
             subsystem=_OURS,
             buckets=_WAIT_S,
-            registry=r,
-        ).labels(*labels)
-        self.http_429 = counter(_OURS, "http_429", "HTTP 429 answers from the provider.").labels(
-            *labels
-        )
-        self.slowdown = gauge(
+            registry=self.registry,
+        ).labels(*self._labels)
+        self.http_429 = self._counter(_OURS, "http_429", "HTTP 429 answers from the provider.")
+        self.slowdown = self._gauge(
             _OURS, "limiter_slowdown_factor", "Adaptive slow-down in force (1 = full rate)."
         )
-        self.share = gauge(_OURS, "limiter_share", "This job's fair share of the limit (0-1).")
+        self.share = self._gauge(
+            _OURS, "limiter_share", "This job's fair share of the limit (0-1)."
+        )
         self.slowdown.set(1.0)
+
+    def _delivery_series(self) -> None:
+        """Every message ends with one result (issue 27): what it took."""
+        self.dead_lettered = self._counter(
+            _OURS,
+            "dead_lettered_messages",
+            "Messages answered with an error and moved to the dead-letter list after "
+            "max_deliveries failed deliveries.",
+        )
+        self.failed_deliveries = self._counter(
+            _OURS,
+            "failed_deliveries",
+            "Deliveries whose handling raised (the message is delivered again or dead-lettered).",
+        )
+        self.breaker_held = self._counter(
+            _OURS, "breaker_held_messages", "Messages held, not sent, while a breaker was open."
+        )
+        self.breaker_open = self._gauge(
+            _OURS, "breaker_open_scopes", "Breaker scopes open now (the endpoint, producers)."
+        )
 
     def record_result(self, result: ChatResult) -> None:
         """What one engine call did: latency, tokens, 429s."""

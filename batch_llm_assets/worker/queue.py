@@ -1,118 +1,24 @@
 """Redis transport of the worker: llm-d's sorted set by deadline, a plain list, a retry set.
 
-Every move is one Lua script, so a message is always in exactly one place: the request
-sorted set (score = deadline) or list, the processing set (score = visibility expiry, ms of
-Redis server time), the retry set (score = when due, s), or gone with its result written.
-A worker that dies leaves its messages in the processing set; the next claim by any worker
-moves them back once their visibility has expired (at least once, nothing lost).
+Every move is one Lua script (scripts.py), so a message is always in exactly one place: the
+request sorted set (score = deadline) or list, the processing set (score = visibility expiry,
+ms of Redis server time), the retry set (score = when due, s), or gone with its result written
+(or to the dead-letter list). A worker that dies leaves its messages in the processing set; the
+next claim by any worker moves them back once their visibility has expired (at least once,
+nothing lost), and counts the delivery. Members stay bytes end to end: one that is not UTF-8
+is removed by the same bytes it was claimed with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
-# Shared by the scripts: the deadline of a member (bare message or llm-d's envelope), 0 if
-# unreadable, so a malformed member sorts first and is answered INVALID_REQUEST at once.
-_DEADLINE_OF = """
-local function deadline_of(m)
-  local ok, d = pcall(cjson.decode, m)
-  if ok and type(d) == 'table' then
-    if type(d.data) == 'table' then d = d.data end
-    if type(d.deadline) == 'number' then return d.deadline end
-  end
-  return 0
-end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# KEYS: queue zset, processing zset, retry zset, list. ARGV: visibility ms, n, use list, limit.
-_CLAIM = (
-    _DEADLINE_OF
-    + """
-local vis, n, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
-local function requeue(src, upto)
-  local moved = redis.call('ZRANGEBYSCORE', src, '-inf', upto, 'LIMIT', 0, limit)
-  for _, m in ipairs(moved) do
-    redis.call('ZREM', src, m)
-    redis.call('ZADD', KEYS[1], deadline_of(m), m)
-  end
-  return #moved
-end
-local reclaimed = requeue(KEYS[2], now_ms)
-requeue(KEYS[3], now_ms / 1000)
-local out = {reclaimed}
-if n > 0 then
-  local popped = redis.call('ZPOPMIN', KEYS[1], n)
-  for i = 1, #popped, 2 do
-    redis.call('ZADD', KEYS[2], now_ms + vis, popped[i])
-    out[#out + 1] = popped[i]
-  end
-  if ARGV[3] == '1' then
-    while #out <= n do
-      local m = redis.call('RPOP', KEYS[4])
-      if not m then break end
-      redis.call('ZADD', KEYS[2], now_ms + vis, m)
-      out[#out + 1] = m
-    end
-  end
-end
-return out
-"""
-)
-
-# KEYS: processing, result list, done key, stream. ARGV: member, result, ttl s, use stream, maxlen.
-_ACK = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[3]) then
-  redis.call('LPUSH', KEYS[2], ARGV[2])
-  if ARGV[4] == '1' then
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*', 'result', ARGV[2])
-  end
-  return 1
-end
-return 0
-"""
-
-# KEYS: processing, retry zset. ARGV: member, member to re-enqueue, delay s.
-_RETRY = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3]), ARGV[2])
-  return 1
-end
-return 0
-"""
-
-# KEYS: processing, queue zset. ARGV: members handed back (graceful shutdown).
-_RELEASE = (
-    _DEADLINE_OF
-    + """
-local n = 0
-for _, m in ipairs(ARGV) do
-  if redis.call('ZREM', KEYS[1], m) == 1 then
-    redis.call('ZADD', KEYS[2], deadline_of(m), m)
-    n = n + 1
-  end
-end
-return n
-"""
-)
-
-# KEYS: processing. ARGV: visibility ms, members still in flight here (heartbeat).
-_EXTEND = """
-local t = redis.call('TIME')
-local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
-local n = 0
-for i = 2, #ARGV do
-  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', until_ms, ARGV[i])
-end
-return n
-"""
+from . import scripts
 
 
 def cancel_key(msg_id: str) -> str:
@@ -122,7 +28,11 @@ def cancel_key(msg_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class QueueNames:
-    """Redis keys, defaulting to llm-d's names (request-sortedset, retry-sortedset, result-list)."""
+    """Redis keys, defaulting to llm-d's names (request-sortedset, retry-sortedset, result-list).
+
+    Keys per id (`key` is the id, digested when long: messages.id_key): the result written
+    (`done`), the answer received and not yet written (`answer`), the message in flight
+    (`inflight`)."""
 
     request_sortedset: str = "request-sortedset"
     request_list: str | None = None
@@ -130,19 +40,53 @@ class QueueNames:
     result_list: str = "result-list"
     result_stream: str | None = None
     processing: str | None = None  # default: "<request_sortedset>:processing"
+    dead_letter: str | None = None  # default: "<request_sortedset>:dead-letter"
 
     @property
     def processing_set(self) -> str:
         return self.processing or f"{self.request_sortedset}:processing"
 
+    @property
+    def deliveries(self) -> str:
+        return f"{self.processing_set}:deliveries"
+
+    @property
+    def dead_letter_list(self) -> str:
+        return self.dead_letter or f"{self.request_sortedset}:dead-letter"
+
     def done_key(self, key: str) -> str:
         return f"{self.result_list}:done:{key}"
+
+    def answer_key(self, key: str) -> str:
+        return f"{self.result_list}:answer:{key}"
+
+    def inflight_key(self, key: str) -> str:
+        return f"{self.result_list}:inflight:{key}"
 
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    members: list[str]
+    members: list[bytes]
+    deliveries: list[int]  # per member: times claimed without an outcome, this one included
     reclaimed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """What is known of an id before sending: done, cancelled, answer (recorded, in `answer`),
+    busy (another message with the id is in flight), or go (its in-flight lock is taken)."""
+
+    state: str
+    answer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A member being handled here, and the in-flight lock it took ("" before it took one)."""
+
+    member: bytes
+    lock: str = ""
+    token: str = ""
 
 
 class RedisQueue:
@@ -164,57 +108,113 @@ class RedisQueue:
         self.result_ttl_s = result_ttl_s
         self.stream_maxlen = stream_maxlen
         self.reclaim_limit = reclaim_limit
-        self._claim = client.register_script(_CLAIM)
-        self._ack = client.register_script(_ACK)
-        self._retry = client.register_script(_RETRY)
-        self._release = client.register_script(_RELEASE)
-        self._extend = client.register_script(_EXTEND)
+        self._scripts = {
+            name: client.register_script(getattr(scripts, name))
+            for name in (
+                "CLAIM",
+                "BEGIN",
+                "ACK",
+                "MOVE",
+                "DEAD_LETTER",
+                "RELEASE",
+                "EXTEND",
+                "DROP",
+            )
+        }
 
     async def claim(self, n: int) -> Claim:
         """Move up to n messages (earliest deadline first, then the list) to processing."""
         nm = self.names
-        keys = [nm.request_sortedset, nm.processing_set, nm.retry_sortedset, nm.request_list or ""]
+        keys = [
+            nm.request_sortedset,
+            nm.processing_set,
+            nm.retry_sortedset,
+            nm.request_list or "",
+            nm.deliveries,
+        ]
         args = [self.visibility_ms, n, 1 if nm.request_list else 0, self.reclaim_limit]
-        out = await self._claim(keys=keys, args=args)
-        return Claim([_text(m) for m in out[1:]], int(out[0]))
+        out = await self._scripts["CLAIM"](keys=keys, args=args)
+        return Claim([_bytes(m) for m in out[1::2]], [int(c) for c in out[2::2]], int(out[0]))
 
-    async def ack(self, member: str, result: str, key: str) -> bool:
-        """Remove the member and write its result, unless a result for `key` exists already."""
+    async def begin(self, key: str, cancel_id: str, token: str) -> Begin:
+        """Done, cancelled, answered already, busy elsewhere, or go (the lock is then ours)."""
         nm = self.names
-        keys = [nm.processing_set, nm.result_list, nm.done_key(key), nm.result_stream or ""]
-        stream = 1 if nm.result_stream else 0
-        args = [member, result, self.result_ttl_s, stream, self.stream_maxlen]
-        return bool(await self._ack(keys=keys, args=args))
+        keys = [nm.done_key(key), cancel_key(cancel_id), nm.answer_key(key), nm.inflight_key(key)]
+        out = await self._scripts["BEGIN"](keys=keys, args=[token, self.visibility_ms])
+        state = _bytes(out[0]).decode()
+        return Begin(state, _bytes(out[1]).decode("utf-8", "replace") if len(out) > 1 else None)
 
-    async def state(self, msg_id: str) -> tuple[bool, bool]:
-        """(result already written, cancelled by the producer) for one id, in one round trip."""
+    async def record(self, key: str, result: str) -> None:
+        """Keep a result before it is written: a failed write or a crash re-uses it, unpaid."""
+        await self.client.set(self.names.answer_key(key), result, ex=self.result_ttl_s)
+
+    def _result_keys(self, key: str) -> list[str]:
+        nm = self.names
+        return [
+            nm.processing_set,
+            nm.result_list,
+            nm.done_key(key),
+            nm.result_stream or "",
+            nm.deliveries,
+            nm.answer_key(key),
+            nm.inflight_key(key),
+        ]
+
+    def _result_args(self, held: Held, result: str) -> list[Any]:
+        stream = 1 if self.names.result_stream else 0
+        return [held.member, result, self.result_ttl_s, stream, self.stream_maxlen, held.token]
+
+    async def ack(self, held: Held, result: str, key: str) -> bool:
+        """Remove the member and write its result, unless a result for `key` exists already."""
+        keys = self._result_keys(key)
+        return bool(await self._scripts["ACK"](keys=keys, args=self._result_args(held, result)))
+
+    async def dead_letter(self, held: Held, result: str, key: str, entry: str) -> tuple[bool, Any]:
+        """(entry kept, result: 1 written / 0 had one / the error) ; the member leaves processing."""
+        keys = [*self._result_keys(key), self.names.dead_letter_list]
+        args = [*self._result_args(held, result), entry]
+        kept, written = await self._scripts["DEAD_LETTER"](keys=keys, args=args)
+        return bool(kept), written
+
+    async def last_failure(self, member: bytes, key: str | None) -> tuple[str | None, str | None]:
+        """(why its handling last failed, the answer recorded for its id), if known: a key that
+        cannot be read (another type) is unknown, so that dead-lettering never fails on it."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.exists(self.names.done_key(msg_id))
-        pipe.exists(cancel_key(msg_id))
-        done, cancelled = await pipe.execute()
-        return bool(done), bool(cancelled)
+        pipe.hget(self.names.deliveries, hashlib.sha1(member).hexdigest() + ":cause")
+        pipe.get(self.names.answer_key(key) if key else "")
+        cause, answer = await pipe.execute(raise_on_error=False)
+        return _text(cause), _text(answer)
 
-    async def drop(self, member: str) -> None:
+    async def drop(self, member: bytes) -> None:
         """Forget a member whose result is already written (a duplicate delivery)."""
-        await self.client.zrem(self.names.processing_set, member)
+        keys = [self.names.processing_set, self.names.deliveries]
+        await self._scripts["DROP"](keys=keys, args=[member])
 
-    async def retry(self, member: str, new_member: str, delay_s: float) -> bool:
-        keys = [self.names.processing_set, self.names.retry_sortedset]
-        return bool(await self._retry(keys=keys, args=[member, new_member, delay_s]))
+    async def retry(
+        self, held: Held, new_member: str | bytes, delay_s: float, cause: str = ""
+    ) -> bool:
+        """To the retry set, due in delay_s. With a cause: a failed delivery (its count kept)."""
+        nm = self.names
+        keys = [nm.processing_set, nm.retry_sortedset, nm.deliveries, held.lock]
+        args = [held.member, new_member, delay_s, cause, held.token]
+        return bool(await self._scripts["MOVE"](keys=keys, args=args))
 
-    async def release(self, members: list[str]) -> int:
+    async def release(self, held: list[Held]) -> int:
         """Hand members back to the request sorted set at once (no visibility wait)."""
-        if not members:
+        if not held:
             return 0
-        keys = [self.names.processing_set, self.names.request_sortedset]
-        return int(await self._release(keys=keys, args=members))
+        nm = self.names
+        keys = [nm.processing_set, nm.request_sortedset, nm.deliveries, *(h.lock for h in held)]
+        args = [x for h in held for x in (h.member, h.token)]
+        return int(await self._scripts["RELEASE"](keys=keys, args=args))
 
-    async def extend(self, members: list[str]) -> int:
+    async def extend(self, held: list[Held]) -> int:
         """Push back the visibility expiry of members still being worked on here."""
-        if not members:
+        if not held:
             return 0
-        keys = [self.names.processing_set]
-        return int(await self._extend(keys=keys, args=[self.visibility_ms, *members]))
+        keys = [self.names.processing_set, *(h.lock for h in held)]
+        args = [self.visibility_ms, *(h.member for h in held)]
+        return int(await self._scripts["EXTEND"](keys=keys, args=args))
 
     async def backlog(self) -> dict[str, int]:
         """Messages waiting in each structure (llm-d's broker backlog, plus ours)."""
@@ -235,7 +235,13 @@ class RedisQueue:
         }
 
 
-def _text(value: Any) -> str:
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _text(value: Any) -> str | None:
+    if value is None or isinstance(value, Exception):
+        return None
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 

@@ -7,6 +7,7 @@ LLMResource.engine() for a long-running process.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 from ..engine import Engine, EngineSettings, LimiterSettings, limiter_namespace
 from ..engine import _constants as C
 from ..engine.transport import TRANSPORTS
+from . import _constants as K
 from .metrics import MeteredLimiter, WorkerMetrics
 from .queue import QueueNames, RedisQueue
 
@@ -38,6 +40,8 @@ class WorkerSettings:
     drain_timeout_s: float = 120.0
     result_ttl_s: int = 86_400
     max_attempts: int = 1
+    max_deliveries: int = K.DEFAULT_MAX_DELIVERIES
+    breaker_cooldown_s: float = K.DEFAULT_BREAKER_COOLDOWN_S
     retry_initial_s: float = 1.0
     retry_max_s: float = 60.0
     rpm: int | None = None
@@ -60,12 +64,19 @@ class WorkerSettings:
             raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
         if self.http_client not in TRANSPORTS:
             raise ValueError(f"http client must be one of {sorted(TRANSPORTS)}")
-        for name in ("concurrency", "batch_size", "max_attempts", "result_ttl_s"):
+        for name in ("concurrency", "batch_size", "max_attempts", "result_ttl_s", "max_deliveries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("poll_interval_s", "visibility_timeout_s", "request_timeout_s", "job_weight"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+        positive = (
+            "poll_interval_s",
+            "visibility_timeout_s",
+            "request_timeout_s",
+            "job_weight",
+            "breaker_cooldown_s",
+        )
+        for name in positive:
+            if not 0 < getattr(self, name) < math.inf:  # NaN too
+                raise ValueError(f"{name} must be a finite number > 0")
         if self.visibility_timeout_s < 1:
             raise ValueError("visibility timeout must be at least 1 s")
 
@@ -81,9 +92,10 @@ class WorkerSettings:
             max_attempts=self.max_attempts,
             default_max_tokens=self.default_max_tokens,
             context_window=self.context_window or C.context_window_for(self.model),
-            # A long-running worker must not stop serving after a few bad answers: each
-            # message gets its own result instead.
+            # A long-running worker must not stop serving after a few bad answers: its own
+            # breaker (breaker.py) holds what shares a cause, and closes again.
             fatal_error_threshold=2**31,
+            breaker_threshold=2**31,
             secret=self.api_key,
         )
 
