@@ -183,3 +183,14 @@ def test_an_answer_with_a_lone_surrogate_is_stored_once(fresh_sim, valkey_url, p
         assert r["status_code"] == 200 and content.endswith("\ufffd")
     stats = fresh_sim.stats()
     assert stats["fault_surrogate"] == len(ids) and stats["received"] == len(ids)
+
+
+def test_odd_ids_get_one_result_each(fresh_sim, valkey_url, prefix):
+    """A lone surrogate (a JSON escape) or 100,000 characters in an id: sent once, answered."""
+    queues = names(prefix, request_list=f"{prefix}:list")
+    long_id = "x" * 100_000
+    members = [json.dumps(message("\ud83d-odd")), json.dumps(message(long_id))]
+    got = asyncio.run(serve_list(fresh_sim, valkey_url, queues, members, 2))
+    assert got["\ufffd-odd"]["status_code"] == 200  # the id as Redis can store it
+    assert got[long_id]["status_code"] == 200
+    assert fresh_sim.stats()["received"] == 2

@@ -242,8 +242,9 @@ def parse_message(raw: str | bytes) -> RequestMessage:
 
 
 def id_key(msg_id: str) -> str:
-    """The id as it goes into Redis key names: a digest when it is long."""
-    if len(msg_id) <= K.MAX_ID_IN_KEY:
+    """The id as it goes into Redis key names: a digest when it is long or not text Redis
+    takes (a lone surrogate from a JSON escape)."""
+    if len(msg_id) <= K.MAX_ID_IN_KEY and storable(msg_id) is msg_id:
         return msg_id
     return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -213,7 +213,7 @@ class Worker:
         m, msg = self.metrics, job.msg
         assert msg is not None
         token = uuid.uuid4().hex
-        begin = await self.queue.begin(job.key, msg.id, token)
+        begin = await self.queue.begin(job.key, M.storable(msg.id), token)
         if begin.state == "done":
             m.duplicates.inc()
             await self.queue.drop(job.member)
@@ -267,9 +267,10 @@ class Worker:
         finally:
             m.inflight.dec()
             self.breaker.record(job.scopes, job.admission, result)
+            if result is not None and result.error_class == E.ABORTED:
+                reason = self.engine.aborted_reason or "the engine stopped sending"
+                self.breaker.open_endpoint(reason)
             m.breaker_open.set(self.breaker.open_scopes())
-        if result.error_class == E.ABORTED:
-            self.breaker.open_endpoint(self.engine.aborted_reason or "the engine stopped sending")
         m.record_result(result)
         if M.answered(result):
             m.successful.inc()
