@@ -194,3 +194,21 @@ def test_odd_ids_get_one_result_each(fresh_sim, valkey_url, prefix):
     assert got["\ufffd-odd"]["status_code"] == 200  # the id as Redis can store it
     assert got[long_id]["status_code"] == 200
     assert fresh_sim.stats()["received"] == 2
+
+
+def test_a_member_that_is_not_utf8_is_answered_and_leaves_processing(fresh_sim, valkey_url, prefix):
+    """Removed by the text it was decoded to, it stayed in processing and was reclaimed after
+    every visibility timeout. Members stay bytes: answered once, gone."""
+    queues = names(prefix, request_list=f"{prefix}:list")
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        await client.lpush(queues.request_list, b'{"id": "\xff\xfe", "deadline": 1')
+        async with running(settings(fresh_sim, valkey_url, queues)):
+            (result,) = await wait_results(client, queues.result_list, 1)
+            processing = await client.zcard(queues.processing_set)
+        await client.aclose()
+        return result, processing
+
+    result, processing = asyncio.run(main())
+    assert result["error_code"] == INVALID_REQUEST and processing == 0
