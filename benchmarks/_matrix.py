@@ -22,7 +22,8 @@ from _common import make_prompts, messages
 
 from batch_llm_assets import ChatRequest, LLMResource
 from batch_llm_assets.engine import count_prompt_tokens
-from batch_llm_assets.simulator.limits import chars4_tokens, make_limit
+from batch_llm_assets.simulator.counting import chars4_tokens
+from batch_llm_assets.simulator.limits import make_limit
 
 MODEL = "gpt-4o-mini"
 MAX_TOKENS = 64
