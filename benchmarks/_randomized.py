@@ -32,7 +32,7 @@ Definitions:
   admitted in any 60 s window (all of it for a shorter job) over the configured per-minute limit.
 - believed_rpm / believed_tpm (per provider, the lowest over its processes): the limits the
   engine's limiter believes at the end of the run.
-- A job still running at twice its ideal (and at least 30 s past it) is stopped there: its
+- A job still running at 1.5x its ideal (and at least 20 s past it) is stopped there: its
   table row ends "timeout", its wall_s is the time it ran and its unanswered rows are failed.
 """
 
@@ -57,7 +57,7 @@ from _providers import (
     limits,
 )
 
-MIN_OVERRUN_S = 30.0
+MIN_OVERRUN_S = 20.0
 KEYS = (
     "providers",
     "median_utilization",
@@ -84,8 +84,8 @@ def window_max(admissions: list[list[float]], per_request: bool) -> float:
 
 
 def deadline_s(ideal: float) -> float:
-    """How long a provider's job may run: twice its ideal, and at least MIN_OVERRUN_S more."""
-    return ideal + max(MIN_OVERRUN_S, ideal)
+    """How long a provider's job may run: 1.5x its ideal, and at least MIN_OVERRUN_S more."""
+    return ideal + max(MIN_OVERRUN_S, ideal / 2)
 
 
 def run_provider(p, job, *, sim, pool, redis_url, hogs) -> dict:
