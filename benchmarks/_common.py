@@ -1,10 +1,14 @@
-"""What the benchmark scripts share: the repo on sys.path, offline tiktoken files, prompts."""
+"""What the benchmark scripts share: the repo on sys.path, offline tiktoken files, prompts,
+busy processes beside a run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,3 +44,21 @@ def make_prompts(n: int, seed: int = 7) -> list[str]:
 
 def messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
+
+
+@contextlib.contextmanager
+def cpu_hogs(k: int) -> Iterator[list[subprocess.Popen]]:
+    """K busy processes competing for the cores while the block runs (a shared worker, a
+    CPU-throttled pod); each is ended by its own pid at the end."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.terminate()
+        for hog in hogs:
+            try:
+                hog.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                hog.kill()
+                hog.wait(timeout=10)

@@ -22,7 +22,8 @@ from _common import make_prompts, messages
 
 from batch_llm_assets import ChatRequest, LLMResource
 from batch_llm_assets.engine import count_prompt_tokens
-from batch_llm_assets.simulator.limits import chars4_tokens, make_limit
+from batch_llm_assets.simulator.counting import chars4_tokens
+from batch_llm_assets.simulator.limits import make_limit
 
 MODEL = "gpt-4o-mini"
 MAX_TOKENS = 64
@@ -53,9 +54,10 @@ def _cost(prompt: str, counting: str) -> int:
     return count_prompt_tokens(msgs, MODEL) + MAX_TOKENS
 
 
-def ideal_s(costs: list[int], per_min: int, shape: dict, dim: str) -> float:
-    """When a perfect client's last request is admitted by the provider at `per_min`."""
-    limit = make_limit(per_min, now=0.0, **shape)
+def ideal_s(costs: list[int], per_min: int, shape: dict, dim: str, start: float = 0.0) -> float:
+    """When a perfect client's last request is admitted by the provider at `per_min`, its first
+    sent `start` s into the provider's first window (a fixed window's phase at the first send)."""
+    limit = make_limit(per_min, now=-start, **shape)
     t = 0.0
     for c in costs:
         cost = c if dim == "tpm" else 1
@@ -138,7 +140,9 @@ def run_cell(
     gc.freeze()
     res = asyncio.run(_run_job(llm, prompts, stall_s))
     true = tpm if bind == "tpm" else rpm
-    ideal = ideal_s(costs, int(true * min(1.0, ratio)), shape, bind)
+    stats = sim.stats()
+    start = (stats["first_received_at"] or stats["started_at"]) - stats["started_at"]
+    ideal = ideal_s(costs, int(true * min(1.0, ratio)), shape, bind, start)
     return {
         "enforcement": enforcement,
         "bind": bind,

@@ -14,18 +14,30 @@ cell; --cell picks cells (e.g. bucket60s/tpm, or nolimit), --repeat runs each of
 --stall-s blocks the event loop mid-run:
 
     python benchmarks/utilization.py --matrix [--cell bucket1s/tpm/1.0] [--repeat 5] [--stall-s 2]
+
+--random N --seed S runs N providers drawn from wide ranges (benchmarks/_randomized.py says
+what is drawn and defines its figures), prints a table and, last, one JSON line. --cpu-hog K
+runs K busy processes beside the headline run (and is the number a random provider's hog uses):
+
+    python benchmarks/utilization.py --random 40 --seed 1
+    python benchmarks/utilization.py --cpu-hog 8 [--processes 4] [--bind rpm]
+
+The headline run's JSON line has `believed_rpm` / `believed_tpm`: the limits the engine's
+limiter believes at the end of the run (the lowest over the processes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 
-from _common import make_prompts, messages
+from _common import cpu_hogs, make_prompts, messages
 
 from batch_llm_assets import ChatRequest, LLMResource
 from batch_llm_assets.engine import EmbeddedValkey, count_prompt_tokens
@@ -52,11 +64,15 @@ def run_worker(url, redis_url, limits, job, prompts, q, ready, go) -> None:
         start = time.time()
         ok = n429 = tokens = 0
         reqs = (ChatRequest(i, messages(p)) for i, p in enumerate(prompts))
-        async for r in llm.chat_batch(reqs):
-            ok += r.ok
-            n429 += r.http_429
-            tokens += (r.prompt_tokens or 0) + MAX_TOKENS
+        async with llm.engine() as engine:
+            async for r in engine.map(reqs):
+                ok += r.ok
+                n429 += r.http_429
+                tokens += (r.prompt_tokens or 0) + MAX_TOKENS
+            believed = (engine.limiter.rpm, engine.limiter.tpm)
         return {
+            "believed_rpm": believed[0],
+            "believed_tpm": believed[1],
             "job": job,
             "ok": ok,
             "http_429": n429,
@@ -96,60 +112,83 @@ def main() -> None:
     ap.add_argument("--cell-requests", type=int, default=300, help="requests per matrix cell")
     ap.add_argument("--cell-target-s", type=float, default=3.0, help="binding part of a cell")
     ap.add_argument("--repeat", type=int, default=1, help="run each matrix cell this many times")
+    ap.add_argument("--random", type=int, default=0, help="N providers drawn at random")
+    ap.add_argument("--seed", type=int, default=1, help="the seed of --random's draws")
+    ap.add_argument("--cpu-hog", type=int, default=0, help="K busy processes beside the run")
     args = ap.parse_args()
-    if args.matrix or args.stall_s:
-        matrix(args)
+    if args.random < 0 or args.cpu_hog < 0:
+        ap.error("--random and --cpu-hog take a count >= 0")
+    if args.random:
+        randomized(args)
         return
+    if args.matrix or args.stall_s:
+        with cpu_hogs(args.cpu_hog):
+            matrix(args)
+        return
+    with cpu_hogs(args.cpu_hog):
+        headline(args)
 
-    prompts = make_prompts(args.requests)
+
+def headline_limits(args, prompts: list[str]) -> tuple[int, int, float]:
+    """(rpm, tpm, ideal_s): the binding limit sized so the job ideally takes target_s."""
     total_tokens = sum(count_prompt_tokens(messages(p), MODEL) + MAX_TOKENS for p in prompts)
     if args.bind == "tpm":
         tpm = int(total_tokens / args.target_s * 60)
         rpm = int(args.requests / args.target_s * 60 * 3)  # slack: tokens bind
-        ideal_s = total_tokens / (tpm / 60)
-    else:
-        rpm = int(args.requests / args.target_s * 60)
-        tpm = int(total_tokens / args.target_s * 60 * 3)
-        ideal_s = args.requests / (rpm / 60)
-    limits = {"rpm": rpm, "tpm": tpm}
+        return rpm, tpm, total_tokens / (tpm / 60)
+    rpm = int(args.requests / args.target_s * 60)
+    tpm = int(total_tokens / args.target_s * 60 * 3)
+    return rpm, tpm, args.requests / (rpm / 60)
 
-    valkey = None
-    redis_url = args.redis_url
-    if not redis_url:
-        valkey = EmbeddedValkey().start()
-        redis_url = valkey.url
+
+@contextlib.contextmanager
+def redis_url_for(args) -> Iterator[str]:
+    """--redis-url, else an embedded Valkey for the run; emptied first."""
     import redis
 
-    redis.Redis.from_url(redis_url).flushdb()
+    valkey = None if args.redis_url else EmbeddedValkey().start()
     try:
-        with SimulatorProcess(rpm=rpm, tpm=tpm, latency_ms=50, latency_per_token_ms=1) as sim:
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            ready, go = ctx.Semaphore(0), ctx.Event()
-            k = args.processes
-            chunks = [prompts[i::k] for i in range(k)]
-            t0 = time.time()
-            procs = [
-                ctx.Process(
-                    target=run_worker,
-                    args=(sim.url, redis_url, limits, f"job{i}", c, q, ready, go),
-                )
-                for i, c in enumerate(chunks)
-            ]
-            for p in procs:
-                p.start()
-            for _ in procs:
-                ready.acquire()
-            t0 = time.time()
-            go.set()
-            results = [q.get() for _ in procs]
-            for p in procs:
-                p.join()
-            wall = time.time() - t0
-            stats = sim.stats()
+        url = args.redis_url or valkey.url
+        redis.Redis.from_url(url).flushdb()
+        yield url
     finally:
         if valkey is not None:
             valkey.stop()
+
+
+def run_processes(url, redis_url, limits, prompts, k) -> tuple[list[dict], float]:
+    """K spawned clients, each every K-th prompt, started together; (results, wall_s)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ready, go = ctx.Semaphore(0), ctx.Event()
+    procs = [
+        ctx.Process(
+            target=run_worker, args=(url, redis_url, limits, f"job{i}", prompts[i::k], q, ready, go)
+        )
+        for i in range(k)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.acquire()
+    t0 = time.time()
+    go.set()
+    results = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return results, time.time() - t0
+
+
+def headline(args) -> None:
+    prompts = make_prompts(args.requests)
+    rpm, tpm, ideal_s = headline_limits(args, prompts)
+    limits = {"rpm": rpm, "tpm": tpm}
+    with (
+        redis_url_for(args) as redis_url,
+        SimulatorProcess(rpm=rpm, tpm=tpm, latency_ms=50, latency_per_token_ms=1) as sim,
+    ):
+        results, wall = run_processes(sim.url, redis_url, limits, prompts, args.processes)
+        stats = sim.stats()
 
     key, limit = ("tokens", tpm) if args.bind == "tpm" else ("requests", rpm)
     rate, n_steady = steady_rate(stats["series"], key)
@@ -167,6 +206,9 @@ def main() -> None:
         "processes": args.processes,
         "steady_seconds": n_steady,
         "sim_429": stats.get("rate_limited", 0),
+        "cpu_hog": args.cpu_hog,
+        "believed_rpm": min(r["believed_rpm"] for r in results),
+        "believed_tpm": min(r["believed_tpm"] for r in results),
     }
     if args.processes > 1:
         field = "tokens" if args.bind == "tpm" else "requests"
@@ -174,32 +216,34 @@ def main() -> None:
     print(json.dumps(figures))
 
 
+def randomized(args) -> None:
+    import _randomized
+
+    with redis_url_for(args) as redis_url, SimulatorProcess(**_randomized.LATENCY) as sim:
+        figures = _randomized.main(args, sim=sim, redis_url=redis_url)
+    print(json.dumps(figures))
+
+
 def matrix(args) -> None:
     import _matrix as M
 
-    valkey = None
-    redis_url = args.redis_url
-    if not redis_url:
-        valkey = EmbeddedValkey().start()
-        redis_url = valkey.url
     only = args.cell if args.matrix else (args.cell or "bucket1s/tpm/1.0/tiktoken")
     results = []
-    try:
-        with SimulatorProcess(latency_ms=20, latency_per_token_ms=0.2) as sim:
-            for cell in (c for c in M.cells(only) for _ in range(args.repeat)):
-                r = M.run_cell(
-                    sim,
-                    redis_url,
-                    *cell,
-                    requests=args.cell_requests,
-                    target_s=args.cell_target_s,
-                    stall_s=args.stall_s,
-                )
-                results.append(r)
-                print(json.dumps(r), flush=True)
-    finally:
-        if valkey is not None:
-            valkey.stop()
+    with (
+        redis_url_for(args) as redis_url,
+        SimulatorProcess(latency_ms=20, latency_per_token_ms=0.2) as sim,
+    ):
+        for cell in (c for c in M.cells(only) for _ in range(args.repeat)):
+            r = M.run_cell(
+                sim,
+                redis_url,
+                *cell,
+                requests=args.cell_requests,
+                target_s=args.cell_target_s,
+                stall_s=args.stall_s,
+            )
+            results.append(r)
+            print(json.dumps(r), flush=True)
     M.print_table(results)
     worst = M.worst(results)
     figures = {

@@ -6,6 +6,8 @@ import asyncio
 import json
 import math
 import re
+import time
+import urllib.error
 
 import aiohttp
 import pytest
@@ -262,3 +264,108 @@ def test_provider_error_modes(fresh_sim):
     fresh_sim.configure(insufficient_quota=False, tpm=1000)
     status, _, text = post(fresh_sim.url, body("word " * 1200))
     assert status == 429 and "Request too large" in json.loads(text)["error"]["message"]
+
+
+# -- enforcement over real HTTP, counting noise, the admission log (issue 26) -----------------
+
+
+async def _burst(url, n, text="burst"):
+    return await asyncio.gather(*(_post(url, body(f"{text} {i}")) for i in range(n)))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"enforcement": "bucket", "rpm": 6, "bucket_s": 100.0},  # 10 held, 0.1/s refill
+        {"enforcement": "fixed_window", "rpm": 6, "window_s": 100.0},
+        {"enforcement": "sliding_window", "rpm": 6, "window_s": 100.0},
+        {"enforcement": "quantized", "rpm": 120, "quantum_s": 5.0},  # 10 per 5 s
+    ],
+    ids=lambda s: s["enforcement"],
+)
+def test_each_enforcement_admits_its_allowance_at_once_and_logs_each_admission(fresh_sim, settings):
+    fresh_sim.configure(**settings)
+    before = time.time()
+    statuses = [r[0] for r in asyncio.run(_burst(fresh_sim.url, 25))]
+    after = time.time()
+    assert statuses.count(200) == 10 and statuses.count(429) == 15
+    stats = fresh_sim.stats(log=True)
+    log = stats["admissions"]
+    assert len(log) == stats["admitted_requests"] == 10 and stats["log_dropped"] == 0
+    assert sum(n for _, n in log) == stats["admitted_tokens"]
+    assert all(before <= t <= after for t, _ in log) and log == sorted(log)
+    assert before <= stats["first_received_at"] <= log[0][0]
+    assert "admissions" not in fresh_sim.stats()  # only when asked: it can be long
+
+
+def test_azure_enforces_a_per_minute_quota_over_1_s_and_10_s_at_once(fresh_sim):
+    # 12 requests/min: a second's share is under one request (so one a second gets in), and
+    # 10 s hold 2. A client that sends every second gets 2 in, then waits for the 10 s period.
+    fresh_sim.configure(enforcement="azure", rpm=12, limit_header="capacity")
+    admitted, started = 0, time.monotonic()
+    while time.monotonic() - started < 5:
+        results = asyncio.run(_burst(fresh_sim.url, 3))
+        admitted += sum(r[0] == 200 for r in results)
+        waits = [int(r[1]["retry-after-ms"]) for r in results if r[0] == 429]
+        if max(waits) > 2000:  # the 10 s period: not this second's end
+            break
+        time.sleep(max(waits) / 1000)  # until the second the provider says frees a request
+    assert admitted == 2
+    elapsed_ms = (time.monotonic() - started) * 1000
+    assert 10_000 - elapsed_ms - 500 <= max(waits) <= 10_000 - elapsed_ms + 500
+    headers = next(r[1] for r in results if r[0] == 429)
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-limit-requests"] == "1"  # the binding period's capacity, 1 s
+
+
+def test_azure_holds_tokens_over_10_s_where_one_second_admits_any_request():
+    limit = make_limit(600, enforcement="azure", now=0.0)  # 10 tokens/s, 100 per 10 s
+    admitted = _admit_all(limit, [30] * 200, 0.0, 0.1)  # a 30-token request every 0.1 s
+    # quantized 1 s alone would take one a second (20); 10 s hold 3 of 30 tokens each.
+    assert [int(t) for t in admitted] == [0, 1, 2, 10, 11, 12]
+    alone = _admit_all(make_limit(600, enforcement="quantized", now=0.0), [30] * 200, 0.0, 0.1)
+    assert len(alone) == 20
+
+
+def test_counting_noise_is_within_its_bound_fixed_per_prompt_and_counted_alike_in_process(
+    fresh_sim,
+):
+    from batch_llm_assets.simulator.counting import prompt_tokens
+
+    fresh_sim.configure(count_noise=0.1, seed=5)
+    prompts = [
+        body(f"Shares of company {i} rose " + "sharply " * (i * 7))["messages"] for i in range(12)
+    ]
+    counted = []
+    for msgs in prompts:
+        req = {"model": "sim-1", "messages": msgs, "max_tokens": 20}
+        usage = json.loads(post(fresh_sim.url, req)[2])["usage"]
+        assert usage == json.loads(post(fresh_sim.url, req)[2])["usage"]  # same on every attempt
+        base = count_prompt_tokens(msgs, "sim-1")
+        assert abs(usage["prompt_tokens"] - base) <= 0.1 * base + 0.5
+        counted.append(usage["prompt_tokens"])
+    # A benchmark counts in-process what the simulator counted; another seed counts otherwise.
+    assert counted == [prompt_tokens(m, "sim-1", noise=0.1, seed=5) for m in prompts]
+    assert counted != [prompt_tokens(m, "sim-1", noise=0.1, seed=6) for m in prompts]
+    offsets = [c - count_prompt_tokens(m, "sim-1") for c, m in zip(counted, prompts, strict=True)]
+    assert len(set(offsets)) > 3  # noise, not one constant offset
+
+
+@pytest.mark.parametrize(
+    "settings,named",
+    [
+        ({"enforcement": "leaky"}, "enforcement"),
+        ({"window_s": float("nan")}, "window_s"),
+        ({"bucket_s": float("inf")}, "bucket_s"),
+        ({"quantum_s": -1}, "quantum_s"),
+        ({"count_noise": 2.0}, "count_noise"),
+        ({"counting": "words"}, "counting"),
+        ({"rpm": "600"}, "rpm"),
+        ({"no_such_setting": 1}, "no_such_setting"),
+    ],
+)
+def test_settings_no_provider_could_have_are_refused_by_name(fresh_sim, settings, named):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        fresh_sim.configure(**settings)
+    assert err.value.code == 400 and named in err.value.read().decode()
+    assert post(fresh_sim.url, body())[0] == 200  # the config before is still in force

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens
+from .content import answer, structured_answer
 from .structured import requested_schema
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class BatchAPI:
 
     # -- files -----------------------------------------------------------------------------
     async def upload(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         purpose, content, name = None, b"", "upload.jsonl"
@@ -157,7 +158,7 @@ class BatchAPI:
         )
 
     async def content(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         found = self.files.get(request.match_info["file_id"])
@@ -167,7 +168,7 @@ class BatchAPI:
 
     # -- batches ---------------------------------------------------------------------------
     async def create(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         body = await request.json()
@@ -213,7 +214,7 @@ class BatchAPI:
         return web.json_response(batch.body())
 
     async def retrieve(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         batch = self.batches.get(request.match_info["batch_id"])
@@ -224,7 +225,7 @@ class BatchAPI:
         return web.json_response(batch.body())
 
     async def list(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         limit = int(request.query.get("limit", "20"))
@@ -247,7 +248,7 @@ class BatchAPI:
         )
 
     async def cancel(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         batch = self.batches.get(request.match_info["batch_id"])
@@ -345,11 +346,13 @@ class BatchAPI:
         refusal = None
         schema = requested_schema(body)
         if schema is not None:  # typed outputs: JSON generated from the schema, as the chat route
-            content, refusal, completion_tokens, finish = sim._structured(
-                schema, messages, model, budget
+            content, refusal, completion_tokens, finish = structured_answer(
+                schema, messages, model, budget, config=sim.config
             )
         else:
-            content, completion_tokens, finish = sim._answer(messages, model, budget)
+            content, completion_tokens, finish = answer(
+                messages, model, budget, max_answer_tokens=sim.config.max_answer_tokens
+            )
         sim.counts["completion_tokens"] += completion_tokens
         return 200, {
             "id": f"chatcmpl-b{uuid.uuid4().hex[:12]}",

@@ -1,11 +1,18 @@
 """How the simulator enforces a per-minute limit, the ways real providers do.
 
 - `bucket`: a token bucket refilled continuously at limit/60 per second holding `bucket_s`
-  seconds of the limit (OpenAI's is about a minute; 0.1-60 s here).
-- `fixed_window`: limit x window/60 per window of `window_s`, reset at the window's edge.
-- `sliding_window`: at most limit x window/60 within any `window_s` seconds.
-- `quantized`: a per-minute limit enforced per second (Azure): a fixed window of `quantum_s`
-  (1 s) holding limit x quantum/60.
+  seconds of the limit (Anthropic documents a bucket "continuously replenished up to your
+  maximum limit", a minute's worth; OpenAI's reset headers behave alike; 0.1-60 s here).
+- `fixed_window`: limit x window/60 per window of `window_s`, reset at the window's edge (the
+  fixed windows of API gateways).
+- `sliding_window`: at most limit x window/60 within any `window_s` seconds (a gateway's
+  sliding log).
+- `quantized`: a per-minute limit enforced over a short period (Azure OpenAI "evaluates the rate
+  of incoming requests over a small period of time, typically 1 or 10 seconds"): a fixed window
+  of `quantum_s` holding limit x quantum/60.
+- `azure`: the same over 1 s and 10 s at once (both must admit). The 10 s period binds where
+  the 1 s one cannot: a request larger than a second's share (tokens, or a share under one
+  request) is admitted into an empty second, and the 10 s period holds those to its share.
 
 Each answers `wait_for(cost, now)` (0 if it can take the cost now), `take`, and the state a
 provider reports: `remaining`, `reset_s` and `capacity`.
@@ -17,7 +24,8 @@ import math
 from collections import deque
 from typing import Protocol
 
-ENFORCEMENTS = ("bucket", "fixed_window", "sliding_window", "quantized")
+ENFORCEMENTS = ("bucket", "fixed_window", "sliding_window", "quantized", "azure")
+AZURE_PERIODS_S = (1.0, 10.0)
 
 
 class Limit(Protocol):
@@ -144,6 +152,31 @@ class SlidingWindow:
         return self.log[-1][0] + self.window_s - now if self.log else 0.0
 
 
+class AllOf:
+    """Several limits on one quantity: admitted when each admits; reports the one that binds."""
+
+    def __init__(self, parts: list[Limit]) -> None:
+        self.parts = parts
+        self.per_min = parts[0].per_min
+        self.capacity = min(p.capacity for p in parts)
+
+    def wait_for(self, cost: float, now: float) -> float:
+        return max(p.wait_for(cost, now) for p in self.parts)
+
+    def take(self, cost: float, now: float) -> None:
+        for p in self.parts:
+            p.take(cost, now)
+
+    def _binding(self, now: float) -> Limit:
+        return min(self.parts, key=lambda p: (p.remaining(now), -p.reset_s(now)))
+
+    def remaining(self, now: float) -> int:
+        return self._binding(now).remaining(now)
+
+    def reset_s(self, now: float) -> float:
+        return self._binding(now).reset_s(now)
+
+
 def make_limit(
     per_min: int,
     *,
@@ -161,9 +194,6 @@ def make_limit(
         return SlidingWindow(per_min, window_s, now)
     if enforcement == "quantized":
         return FixedWindow(per_min, quantum_s, now)
+    if enforcement == "azure":
+        return AllOf([FixedWindow(per_min, period, now) for period in AZURE_PERIODS_S])
     raise ValueError(f"unknown enforcement {enforcement!r}; expected one of {ENFORCEMENTS}")
-
-
-def chars4_tokens(text: str) -> int:
-    """A provider that counts a quarter of the characters (OpenAI's rule of thumb)."""
-    return max(1, math.ceil(len(text) / 4))

@@ -45,8 +45,9 @@ class SimulatorProcess:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
 
-    def stats(self) -> dict[str, Any]:
-        return self._request("/stats")
+    def stats(self, *, log: bool = False) -> dict[str, Any]:
+        """GET /stats; with `log`, each admission's time and tokens too (stats.py)."""
+        return self._request("/stats?log=1" if log else "/stats")
 
     def configure(self, **settings: Any) -> None:
         self._request("/admin/config", settings)
