@@ -20,6 +20,7 @@ from ..engine.engine import ChatRequest, Engine
 from ..engine.identity import MessagesIdentity, request_identity
 from ..engine.structured import provider_kind, validator
 from ..warehouses.base import SliceFilter, WarehouseSession
+from .template_breaker import TemplateBreaker
 
 if TYPE_CHECKING:
     from ..resources.llm import LLMResource
@@ -66,7 +67,9 @@ class SliceReader:
         self.hashes: dict[Any, str] = {}  # id -> request identity, taken by the row's answer
         self.nothing_done = False  # set by preflight: no output rows yet, so no lookups
         self._engine: Engine | None = None
-        self._identities: tuple[str, MessagesIdentity] | None = None
+        self.scopes = spec.identity_scopes(llm)
+        self.template = TemplateBreaker()
+        self._identities: dict[tuple[str, int], MessagesIdentity] = {}
         self._stop = threading.Event()
         # Typed outputs: the provider's form of structured output.
         self.provider_kind = provider_kind(
@@ -161,6 +164,7 @@ class SliceReader:
                 raise _Stopped
             rid = row[id_column]
             messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
+            self.template.observe(*(problem or (None, None)))  # in row order, as rendered
             if problem is not None:
                 yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
                 continue
@@ -169,15 +173,9 @@ class SliceReader:
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
             )
             # The exact body, structured params (the schema) included: a changed schema re-runs.
-            if params is None:
-                h = self._identity(messages)
-            else:
-                h = request_identity(
-                    self._engine.request_body(messages, params),
-                    self.llm.base_url,
-                    self.llm.api_version,
-                )
-            if done.get(rid) == h:
+            h = self._hash(messages, params, 0)
+            stored = done.get(rid)
+            if stored is not None and (stored == h or stored == self._hash(messages, params, 1)):
                 self.stats.skipped += 1
                 continue
             self.hashes[rid] = h
@@ -192,16 +190,20 @@ class SliceReader:
                 repair_attempts=self.spec.repair_attempts,
             )
 
-    def _identity(self, messages: list[dict[str, Any]]) -> str:
-        """request_identity of the body sent for these messages (the rest of the body is the
-        same for every row while the engine keeps its token parameter)."""
-        assert self._engine is not None
-        key = self._engine.token_param
-        if self._identities is None or self._identities[0] != key:
-            body = self._engine.request_body([])
+    def _hash(
+        self, messages: list[dict[str, Any]], params: dict[str, Any] | None, legacy: int
+    ) -> str:
+        """request_identity of the body sent for these messages, in `scopes[legacy]`. Without
+        params the rest of the body is the same for every row while the engine keeps its token
+        parameter: it is encoded once."""
+        engine = self._engine
+        assert engine is not None
+        if params is not None:
+            return request_identity(engine.request_body(messages, params), self.scopes[legacy])
+        key = (engine.token_param, legacy)
+        identity = self._identities.get(key)
+        if identity is None:
+            body = engine.request_body([])
             del body["messages"]
-            self._identities = (
-                key,
-                MessagesIdentity(body, self.llm.base_url, self.llm.api_version),
-            )
-        return self._identities[1](messages, text_only=True)  # rendered: role and content
+            identity = self._identities[key] = MessagesIdentity(body, self.scopes[legacy])
+        return identity(messages, text_only=True)  # rendered: role and content
