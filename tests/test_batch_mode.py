@@ -391,6 +391,9 @@ def test_a_template_that_fails_every_row_submits_nothing(bsim, db):
     text = result.get_step_failure_events()[0].step_failure_data.error.message
     assert "template failed on 10 consecutive rows with prompt_too_large" in text
     assert bsim.stats().get("files_uploaded", 0) == 0
+    assert query(db, "SELECT count(*), min(error_class) FROM news_sentiment") == [
+        (10, "prompt_too_large")
+    ]
 
 
 def test_rows_stored_under_the_earlier_identity_are_not_submitted_again(bsim, db, monkeypatch):

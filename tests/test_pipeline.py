@@ -377,8 +377,11 @@ def test_a_template_that_fails_every_row_stops_the_run_naming_it(
     assert "Fix the template" in message
     assert took < 15  # 10 renders at the limit, not 60 (18 s of spinning)
     assert fresh_sim.stats().get("received", 0) == 0
-    # Nothing is marked done: a rerun with a fixed template renders every row again.
-    assert query(db, "SELECT count(*) FROM news_sentiment WHERE status = 'ok'") == [(0,)]
+    # The rows that tripped it are written with their reason; none is done, so a rerun with a
+    # fixed template renders every row again.
+    assert query(db, "SELECT count(*), min(error_class), max(status) FROM news_sentiment") == [
+        (10, error_class, "failed")
+    ]
 
 
 @pytest.mark.parametrize(

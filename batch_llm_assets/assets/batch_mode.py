@@ -243,11 +243,13 @@ class BatchPartitionRun:
                 "an integer or string id column."
             )
         messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-        breaker.observe(*(problem or (None, None)))
         if problem is not None:
             self.finalized.add(rid)
             failed.append(self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent"))
+            if breaker.observe(*problem) and breaker.error is not None:
+                raise breaker.error  # the rows failed so far are written on the way out
             return None
+        breaker.observe(None, None)
         shaped: dict[str, Any] = {}
         if self.spec.output_schema is not None:
             shaped, messages = self.spec.output_schema.shape(self.provider_kind, messages)

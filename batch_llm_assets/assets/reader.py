@@ -91,6 +91,8 @@ class SliceReader:
                     # workers' sends at about three times that (measured; caches stay warm).
                     for req in list(self._render(chunk, self._done(chunk))):
                         yield req
+                    if self.template.error is not None:
+                        raise self.template.error
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
         slots = threading.Semaphore(READ_AHEAD_CHUNKS)
@@ -106,10 +108,13 @@ class SliceReader:
                     return
                 if isinstance(batch, _ReaderFailed):
                     raise batch.exc
-                if isinstance(batch, tuple):
+                here = isinstance(batch, tuple)  # a plain template: rendered on the loop
+                if here:
                     batch = self._render(*batch)
                 for req in batch:
                     yield req
+                if here and self.template.error is not None:
+                    raise self.template.error
         finally:
             self._stop.set()
 
@@ -143,6 +148,9 @@ class SliceReader:
                     # A plain template renders on the event loop as rows are pulled (no GIL
                     # contention with this thread); any other one here, off the loop.
                     put((chunk, done) if plain else list(self._render(chunk, done)))
+                    if not plain and self.template.error is not None:
+                        put(_ReaderFailed(self.template.error))  # after the rows failed so far
+                        return
             put(_END)
         except _Stopped:
             return
@@ -164,10 +172,12 @@ class SliceReader:
                 raise _Stopped
             rid = row[id_column]
             messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-            self.template.observe(*(problem or (None, None)))  # in row order, as rendered
             if problem is not None:
                 yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
+                if self.template.observe(*problem):  # in row order, as rendered
+                    return  # the rows failed so far are kept; the caller raises the error
                 continue
+            self.template.observe(None, None)
             assert self._engine is not None
             params, messages = (
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)

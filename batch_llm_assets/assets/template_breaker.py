@@ -17,16 +17,18 @@ class TemplateBreaker:
         self.threshold = threshold
         self._class: str | None = None
         self._rows = 0
+        self.error: PromptError | None = None  # set when it trips: the run's failure
 
-    def observe(self, error_class: str | None, reason: str | None) -> None:
-        """One row's outcome, in order; raises PromptError when the breaker trips."""
+    def observe(self, error_class: str | None, reason: str | None) -> bool:
+        """One row's outcome, in row order; True when the breaker trips (then the caller keeps
+        that row's failure and raises `error`)."""
         if error_class not in (PROMPT_RENDER, PROMPT_TOO_LARGE):
             self._class, self._rows = None, 0
-            return
+            return False
         self._rows = self._rows + 1 if error_class == self._class else 1
         self._class = error_class
-        if self._rows >= self.threshold:
-            raise PromptError(
+        if self._rows >= self.threshold and self.error is None:
+            self.error = PromptError(
                 description=f"The prompt template failed on {self._rows} consecutive rows "
                 f"with {error_class} ({reason}), so the run stopped: the template, not the "
                 "data, is at fault. Fix the template (or raise render_timeout_s / "
@@ -34,3 +36,4 @@ class TemplateBreaker:
                 "are kept.",
                 metadata={"error_class": error_class},
             )
+        return self.error is not None
