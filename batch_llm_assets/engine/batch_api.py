@@ -212,13 +212,13 @@ class BatchClient:
         return await self._call("POST", f"/batches/{batch_id}/cancel")
 
     async def file_created_at(self, file_id: str) -> float | None:
-        """When the provider received the file (its clock), or None if it no longer has it."""
+        """When the provider received the file (its clock), or None if it cannot say."""
         try:
             info = await self._call("GET", f"/files/{file_id}")
         except BatchAPIError as exc:
-            if exc.metadata.get("status") == 404:
-                return None
-            raise
+            if exc.metadata.get("retryable"):
+                raise
+            return None  # gone, or a provider without this route: the whole list is read
         created = info.get("created_at")
         return float(created) if isinstance(created, int | float) else None
 
@@ -234,10 +234,11 @@ class BatchClient:
         while True:
             params = {"limit": str(LIST_PAGE), **({"after": after} if after else {})}
             page = await self._call("GET", "/batches", params=params)
-            data = page.get("data") or []
+            data = [b for b in page.get("data") or [] if isinstance(b, dict)]
             for batch in data:
+                meta = batch.get("metadata")
                 if batch.get("input_file_id") == input_file_id or (
-                    (batch.get("metadata") or {}).get(key) == value
+                    isinstance(meta, dict) and meta.get(key) == value
                 ):
                     return batch
             oldest = data[-1].get("created_at") if data else None

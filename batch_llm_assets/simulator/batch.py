@@ -241,7 +241,12 @@ class BatchAPI:
         denied = self.sim._auth_error(request)
         if denied is not None:
             return denied
-        limit = int(request.query.get("limit", "20"))
+        try:  # OpenAI's bounds: 1 to 100, default 20
+            limit = int(request.query.get("limit", "20"))
+        except ValueError:
+            return _error(400, "limit must be an integer")
+        if not 1 <= limit <= 100:
+            return _error(400, f"limit must be between 1 and 100, got {limit}")
         after = request.query.get("after")
         ordered = sorted(self.batches.values(), key=lambda b: b.created_at, reverse=True)
         if after:
