@@ -111,6 +111,8 @@ def run(partitions: int) -> int:
                     "rows_ok": md.get("partition/rows_ok"),
                     "rows_failed": md.get("partition/rows_failed"),
                     "rows_skipped": md.get("run/rows_skipped"),
+                    # Counted at the provider: a rerun of done partitions sends nothing.
+                    "requests": after.get("received", 0) - before.get("received", 0),
                     "prompt_tokens": md.get("run/prompt_tokens"),
                     "completion_tokens": md.get("run/completion_tokens"),
                     "cost_usd": md.get("run/cost_usd"),
@@ -123,11 +125,24 @@ def run(partitions: int) -> int:
             )
     (DEMO_DIR / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_table(summary)
+    print(_requests_line(summary))
     print(
         f"\nwritten: {DEMO_DIR / 'summary.json'}; results in table news_sentiment of "
         f"{DEMO_DIR / 'warehouse.duckdb'}"
     )
     return 0
+
+
+def _requests_line(rows: list[dict]) -> str:
+    """What this run paid for, counted at the provider; a rerun says that it sent nothing."""
+    sent = sum(r["requests"] for r in rows)
+    skipped = sum(r["rows_skipped"] or 0 for r in rows)
+    if sent == 0:
+        return (
+            f"\nrequests sent to the provider: 0 (every row was already done: {skipped} "
+            "skipped, nothing paid again)"
+        )
+    return f"\nrequests sent to the provider: {sent} ({skipped} rows skipped as already done)"
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -137,6 +152,7 @@ def _print_table(rows: list[dict]) -> None:
         "rows_ok",
         "rows_failed",
         "rows_skipped",
+        "requests",
         "prompt_tokens",
         "completion_tokens",
         "cost_usd",
@@ -150,6 +166,7 @@ def _print_table(rows: list[dict]) -> None:
         "ok",
         "failed",
         "skipped",
+        "sent",
         "tok in",
         "tok out",
         "cost $",

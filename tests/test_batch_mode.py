@@ -3,15 +3,18 @@ with DuckDB files and real `dagster asset materialize` subprocesses; counted at 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import dagster as dg
+import duckdb
 import pytest
 
 from batch_llm_assets import (
@@ -23,6 +26,7 @@ from batch_llm_assets import (
 )
 from batch_llm_assets.assets.batch_mode import BatchSettings, state_table_for
 from batch_llm_assets.demo_data import create_demo_table
+from batch_llm_assets.engine.identity import legacy_scope
 
 from .conftest import SIM_KEY
 from .conftest import duckdb_query as query
@@ -289,6 +293,121 @@ def test_orphan_batch_of_a_run_killed_before_recording_it_is_adopted(bsim, db):
     stats = bsim.stats()
     assert (stats["batches_created"], stats["batch_lines_submitted"]) == (1, PER_DAY)
     assert statuses(db) == {"ok": PER_DAY}
+
+
+def _other_teams_batches(sim, n):
+    """`n` batches created on the key after ours (a long backfill, other teams' jobs)."""
+    line = {
+        "custom_id": "other",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+    }
+    boundary = "b0undary"
+    form = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="o.jsonl"\r\n'
+        f"Content-Type: application/jsonl\r\n\r\n{json.dumps(line)}\n\r\n--{boundary}--\r\n"
+    )
+    auth = {"Authorization": f"Bearer {SIM_KEY}"}
+    upload = urllib.request.Request(
+        f"{sim.url}/files",
+        data=form.encode(),
+        headers=auth | {"Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )
+    with urllib.request.urlopen(upload, timeout=10) as resp:
+        file_id = json.loads(resp.read())["id"]
+    body = json.dumps({"input_file_id": file_id, "endpoint": "/v1/chat/completions"}).encode()
+
+    def create(_):
+        req = urllib.request.Request(
+            f"{sim.url}/batches", data=body, headers=auth | {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())["id"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(create, range(n)))
+
+
+def test_an_orphan_batch_is_found_behind_thousands_of_newer_batches(bsim, db):
+    """A kill between creating the batch and recording it, then 2,100 newer batches on the key:
+    the search goes back to the input file's upload, however many batches that is."""
+    assert materialize(asset(wait=False), bsim, db).success
+    con = duckdb.connect(db)
+    con.execute(f"UPDATE {STATE} SET state = 'uploaded', batch_id = NULL")
+    con.close()
+    assert len(_other_teams_batches(bsim, 2_100)) == 2_100
+    before = bsim.stats()
+    assert materialize(asset(), bsim, db).success
+    after = bsim.stats()
+    assert after["batches_created"] == before["batches_created"]  # adopted, not resubmitted
+    assert after["batch_lines_submitted"] == before["batch_lines_submitted"]
+    assert statuses(db) == {"ok": PER_DAY}
+    assert query(db, f"SELECT state FROM {STATE}") == [("collected",)]
+
+
+def _within(seconds, fn):
+    """fn() in a thread, which must end within `seconds` (a run that never ends fails here)."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still running after {seconds} s"
+    return out[0]
+
+
+def test_batches_that_keep_expiring_are_resubmitted_at_most_max_resubmits_times(bsim, db):
+    assert BatchSettings().max_resubmits == 3
+    batch_config(bsim, expire_fraction=0.0)  # every batch expires before reaching any line
+    result = _within(60, lambda: materialize(asset(max_resubmits=2), bsim, db))
+    assert not result.success  # every row failed: over max_failed_fraction, and the run ended
+    stats = bsim.stats()
+    assert (stats["batches_created"], stats.get("batch_lines_processed", 0)) == (3, 0)
+    assert statuses(db) == {"failed": PER_DAY}
+    ((error_class, error),) = query(db, "SELECT DISTINCT error_class, error FROM news_sentiment")
+    assert error_class == "batch_expired"
+    assert "3 batches in a row ended expired" in error and "(max_resubmits=2)" in error
+    # Failed rows are not done: with the provider healthy again, a rerun sends them.
+    batch_config(bsim, expire_fraction=None)
+    assert materialize(asset(), bsim, db).success
+    assert statuses(db) == {"ok": PER_DAY}
+
+
+def test_a_template_that_fails_every_row_submits_nothing(bsim, db):
+    a = build_llm_batch_asset(
+        name="sentiment",
+        source=SourceTable(
+            table="news_headlines", partition_column="published_at", columns=["headline"]
+        ),
+        prompt=Prompt(template="{{ headline * 20000000 }}"),
+        output="news_sentiment",
+        partitions_def=DAYS,
+        mode="batch",
+        batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5),
+    )
+    result = materialize(a, bsim, db)
+    assert not result.success
+    text = result.get_step_failure_events()[0].step_failure_data.error.message
+    assert "template failed on 10 consecutive rows with prompt_too_large" in text
+    assert bsim.stats().get("files_uploaded", 0) == 0
+    assert query(db, "SELECT count(*), min(error_class) FROM news_sentiment") == [
+        (10, "prompt_too_large")
+    ]
+
+
+def test_rows_stored_under_the_earlier_identity_are_not_submitted_again(bsim, db, monkeypatch):
+    import batch_llm_assets.assets.pipeline as pipeline
+
+    def earlier(base_url, api_version=None, **_):
+        return legacy_scope(base_url, api_version), legacy_scope(base_url, api_version)
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "identity_scopes", earlier)
+        assert materialize(asset(), bsim, db).success
+    md = metadata(materialize(asset(), bsim, db))
+    assert (md["run/rows_sent"], md["run/rows_skipped"]) == (0, PER_DAY)
+    assert bsim.stats()["batch_lines_submitted"] == PER_DAY
 
 
 def test_expired_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):

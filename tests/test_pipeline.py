@@ -349,6 +349,42 @@ def test_templates_are_bounded_in_time_and_size(fresh_sim, tmp_path, template, e
 
 
 @pytest.mark.parametrize(
+    "template,error_class",
+    [
+        (
+            "{% set x = range(100000)|list %}{% for a in x %}{% for b in x %}{% endfor %}"
+            "{% endfor %}{{ headline }}",
+            "prompt_render",
+        ),
+        ("{{ headline * 20000000 }}", "prompt_too_large"),
+    ],
+)
+def test_a_template_that_fails_every_row_stops_the_run_naming_it(
+    fresh_sim, tmp_path, template, error_class
+):
+    """The template breaker: 10 consecutive rows failing to render the same way end the run
+    with the template problem, instead of failing every row one render time limit at a time
+    (a 100,000-row partition at 1 s a row: over a day)."""
+    db = str(tmp_path / "t.duckdb")
+    create_demo_table(db, days=1, per_day=60)
+    a = sentiment(prompt=Prompt(template=template), render_timeout_s=0.3, max_failed_fraction=1.0)
+    started = time.monotonic()
+    result = run(db, fresh_sim, a)
+    took = time.monotonic() - started
+    assert not result.success
+    message = failure(result)
+    assert f"template failed on 10 consecutive rows with {error_class}" in message
+    assert "Fix the template" in message
+    assert took < 15  # 10 renders at the limit, not 60 (18 s of spinning)
+    assert fresh_sim.stats().get("received", 0) == 0
+    # The rows that tripped it are written with their reason; none is done, so a rerun with a
+    # fixed template renders every row again.
+    assert query(db, "SELECT count(*), min(error_class), max(status) FROM news_sentiment") == [
+        (10, error_class, "failed")
+    ]
+
+
+@pytest.mark.parametrize(
     "template,system",
     [
         ("{{ headline }}. Up, down or flat?", None),
@@ -447,12 +483,15 @@ def test_a_read_only_journal_fails_naming_the_path_and_the_error(tmp_path):
         subprocess.run(["umount", "-l", str(ro)], check=False)
 
 
-def test_a_full_disk_stops_sending_and_fails_naming_the_journal(fresh_sim, db, tiny_disk):
+def test_a_full_disk_stops_sending_and_keeps_every_paid_answer(fresh_sim, db, tiny_disk):
+    """ENOSPC for real: the journal is on a 64 KiB tmpfs, which fills after a few hundred
+    answers. Sending stops at once; the requests already on the wire still come back (they
+    were paid) and go to the warehouse with the others, so the rerun pays none of them again."""
     fresh_sim.configure(latency_ms=20.0)
     old = os.environ["BATCH_LLM_JOURNAL_DIR"]
     os.environ["BATCH_LLM_JOURNAL_DIR"] = str(tiny_disk)
     try:
-        result = run(db, fresh_sim, max_concurrency=8)
+        result = run(db, fresh_sim, max_concurrency=64)
     finally:
         os.environ["BATCH_LLM_JOURNAL_DIR"] = old
     assert not result.success
@@ -460,9 +499,12 @@ def test_a_full_disk_stops_sending_and_fails_naming_the_journal(fresh_sim, db, t
     assert str(tiny_disk) in message and "No space left on device" in message
     answered = fresh_sim.stats()["answered"]
     assert answered < 1000  # sending stopped at once
-    # Nothing received was lost: what the journal could not take was written to the warehouse.
-    written = query(db, "SELECT count(*) FROM news_sentiment")[0][0]
-    assert written >= answered - 8
+    # Every answer the provider sent (and billed) is in the warehouse.
+    assert query(db, "SELECT count(*) FROM news_sentiment WHERE status = 'ok'") == [(answered,)]
+    rerun = run(db, fresh_sim)
+    assert rerun.success
+    assert fresh_sim.stats()["answered"] == 1000  # nothing paid twice
+    assert query(db, "SELECT count(*), min(status) FROM news_sentiment") == [(1000, "ok")]
 
 
 # -- unstorable values ----------------------------------------------------------------------------

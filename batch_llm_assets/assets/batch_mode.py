@@ -6,75 +6,43 @@ rows' request identities); 3. create the batch with `metadata.bla_intent` = the 
 4. mark the record `submitted` with the batch id; 5. when the batch ends, write its lines to the
 output table; 6. mark the record `collected`.
 A relaunch finds an `uploaded` record whose batch may exist (a kill between 3 and 4): it lists
-the provider's batches for that intent and adopts the batch, or creates it if none exists. Rows
-of `uploaded`/`submitted` records are never sent again; rows a batch did not reach (expired,
-cancelled) go back to pending and are sent in a new batch.
+the provider's batches back to the input file's upload for that intent or that file, and adopts
+the batch, or creates it if none exists. Rows of `uploaded`/`submitted` records are never sent
+again; rows a batch did not reach (expired, cancelled) go back to pending and are sent in a new
+batch, at most `max_resubmits` times; then they fail with the provider's reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
 from ..engine import errors as E
-from ..engine.batch_api import (
-    DEFAULT_MAX_FILE_BYTES,
-    DEFAULT_MAX_FILE_REQUESTS,
-    TERMINAL,
-    BatchAPIError,
-    BatchClient,
-    BatchLine,
-    parse_output_line,
-    split_files,
-)
+from ..engine.batch_api import TERMINAL, BatchAPIError, BatchClient, BatchLine, split_files
 from ..engine.identity import request_identity
 from ..engine.structured import provider_kind
 from ..engine.tokens import count_prompt_tokens, requested_max_tokens
 from ..resources.llm import LLMResource
-from ..warehouses.base import SliceFilter, WarehouseSession, check_table
-from .batch_results import BATCH_PRICE_FACTOR, BatchRows, BatchStats
+from ..warehouses.base import SliceFilter, WarehouseSession
+from .batch_results import (
+    UNREACHED,
+    BatchRows,
+    BatchSettings,
+    BatchStats,
+    custom_id,
+    failure,
+    state_table_for,
+)
 from .pipeline import RunSpec
+from .template_breaker import TemplateBreaker
 
 OPEN_STATES = ("uploaded", "submitted")
-
-
-@dataclass(frozen=True)
-class BatchSettings:
-    """How batch mode splits, queues and waits. Keyword-built by the factory and the component."""
-
-    wait: bool = True
-    max_file_requests: int = DEFAULT_MAX_FILE_REQUESTS
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-    enqueued_token_limit: int | None = None
-    poll_first_s: float = 2.0
-    poll_max_s: float = 300.0
-    price_factor: float = BATCH_PRICE_FACTOR
-
-    def __post_init__(self) -> None:
-        for name in ("max_file_requests", "max_file_bytes", "poll_first_s", "poll_max_s"):
-            if not getattr(self, name) > 0:
-                raise E.BatchLLMError(description=f"batch {name} must be > 0")
-        if self.enqueued_token_limit is not None and self.enqueued_token_limit < 1:
-            raise E.BatchLLMError(description="batch enqueued_token_limit must be >= 1 or None")
-        if not 0 <= self.price_factor <= 1:
-            raise E.BatchLLMError(description="batch price_factor must be within [0, 1]")
-
-
-def state_table_for(output: str) -> str:
-    """The state table beside the output table: `<output>__bla_batches`."""
-    parts = check_table(output)
-    return ".".join([*parts[:-1], parts[-1] + "__bla_batches"])
-
-
-def custom_id(row_id: Any, rhash: str) -> str:
-    """A row's identity in a batch: its id and request hash (the same work, the same id)."""
-    return hashlib.sha256(json.dumps([str(row_id), rhash]).encode()).hexdigest()[:40]
+__all__ = ["BatchPartitionRun", "BatchSettings", "custom_id", "state_table_for"]
 
 
 class BatchPartitionRun:
@@ -100,6 +68,7 @@ class BatchPartitionRun:
         self.model, self.params = engine.model, engine.params
         self.max_tokens = requested_max_tokens(self.params, engine.default_max_tokens)
         self.window = engine.context_window
+        self.max_prompt_chars = spec.prompt.max_chars_for(self.window)  # as live mode bounds it
         self.state_table = state_table_for(spec.output.name)
         self.rows = BatchRows(
             llm, self.model, partition_key, settings.price_factor, typed=spec.output_schema
@@ -109,6 +78,7 @@ class BatchPartitionRun:
             llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
         )
         self.stats = self.rows.stats
+        self.scopes = spec.identity_scopes(llm)
         self.finalized: set[Any] = set()  # ids this run wrote or found done: not sent again
         self._provider_full = False
         self._rescan = True
@@ -171,7 +141,11 @@ class BatchPartitionRun:
     async def _recover(self, states: list[dict[str, Any]]) -> None:
         """Uploaded but not known as submitted: adopt the batch the provider has, or create it."""
         for record in (s for s in states if s["state"] == "uploaded"):
-            batch = await self.client.find("bla_intent", record["intent_id"])
+            batch = await self.client.find(
+                tag=("bla_intent", record["intent_id"]),
+                input_file_id=record["file_id"],
+                not_before=await self.client.file_created_at(record["file_id"]),
+            )
             if batch is None:
                 try:
                     batch = await self.client.create(record["file_id"], self._metadata(record))
@@ -219,7 +193,6 @@ class BatchPartitionRun:
     # -- pending rows and submission ---------------------------------------------------------
     def _pending(self) -> list[BatchLine]:
         """Rows not ok with the same request, not in an open batch, not written by this run."""
-        src = self.spec.source
         in_flight: set[str] = set()
         open_ = self.db.batch_states(
             self.state_table, self.asset, self.partition_key, open_only=True
@@ -229,64 +202,86 @@ class BatchPartitionRun:
         lines: list[BatchLine] = []
         failed: list[dict[str, Any]] = []
         self._items = {}
+        breaker = TemplateBreaker()
         nothing_done = not self.db.has_output(self.spec.output.name, self.partition_key)
-        for chunk in self.db.read_slice(src, self.where, self.spec.chunk_rows):
-            ids = [r[src.id_column] for r in chunk]
-            done = (
-                {}
-                if nothing_done
-                else self.db.done_hashes(self.spec.output, self.partition_key, ids)
-            )
-            for row in chunk:
-                rid = row[src.id_column]
-                if rid in self.finalized:
-                    continue
-                if not isinstance(rid, int | str):
-                    raise E.BatchLLMError(
-                        description=f"Batch mode needs integer or string ids; {src.id_column!r} "
-                        f"of {src.table!r} holds {type(rid).__name__} values. Use live mode or "
-                        "an integer or string id column."
-                    )
-                messages, problem = self.spec.prompt.render(row)
-                if problem is not None:
-                    self.finalized.add(rid)
-                    failed.append(
-                        self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent")
-                    )
-                    continue
-                typed = self.spec.output_schema
-                shaped: dict[str, Any] = {}
-                if typed is not None:
-                    shaped, messages = typed.shape(self.provider_kind, messages)
-                body = {**self.params, **shaped, "model": self.model, "messages": messages}
-                if "max_tokens" not in body and "max_completion_tokens" not in body:
-                    body["max_tokens"] = self.max_tokens
-                rhash = request_identity(body, self.llm.base_url, self.llm.api_version)
-                cid = custom_id(rid, rhash)
-                if done.get(rid) == rhash:
-                    self.stats.skipped += 1
-                    self.finalized.add(rid)
-                    continue
-                if cid in in_flight:
-                    continue
-                tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
-                if self.window and tokens > self.window:
-                    self.finalized.add(rid)
-                    failed.append(
-                        self.rows.failed(
-                            rid,
-                            rhash,
-                            E.CONTEXT_LENGTH,
-                            f"prompt + max_tokens is about {tokens} tokens, over the model's "
-                            f"context window of {self.window}; not sent",
-                        )
-                    )
-                    continue
-                self._items[cid] = (rid, rhash)
-                lines.append(BatchLine(cid, body, tokens))
-        for i in range(0, len(failed), self.spec.chunk_rows):
-            self.db.write_results(self.spec.output, failed[i : i + self.spec.chunk_rows])
+        src = self.spec.source
+        try:
+            for chunk in self.db.read_slice(src, self.where, self.spec.chunk_rows):
+                ids = [r[src.id_column] for r in chunk]
+                done = (
+                    {}
+                    if nothing_done
+                    else self.db.done_hashes(self.spec.output, self.partition_key, ids)
+                )
+                for row in chunk:
+                    line = self._line(row, done, in_flight, failed, breaker)
+                    if line is not None:
+                        lines.append(line)
+        finally:  # the rows that failed before the template breaker stopped the scan, too
+            for i in range(0, len(failed), self.spec.chunk_rows):
+                self.db.write_results(self.spec.output, failed[i : i + self.spec.chunk_rows])
         return lines
+
+    def _line(
+        self,
+        row: dict[str, Any],
+        done: dict[Any, str],
+        in_flight: set[str],
+        failed: list[dict[str, Any]],
+        breaker: TemplateBreaker,
+    ) -> BatchLine | None:
+        """The row's batch line; None when it is done, in an open batch, or failed unsent
+        (then its row is in `failed`)."""
+        src = self.spec.source
+        rid = row[src.id_column]
+        if rid in self.finalized:
+            return None
+        if not isinstance(rid, int | str):
+            raise E.BatchLLMError(
+                description=f"Batch mode needs integer or string ids; {src.id_column!r} "
+                f"of {src.table!r} holds {type(rid).__name__} values. Use live mode or "
+                "an integer or string id column."
+            )
+        messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
+        if problem is not None:
+            self.finalized.add(rid)
+            failed.append(self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent"))
+            if breaker.observe(*problem) and breaker.error is not None:
+                raise breaker.error  # the rows failed so far are written on the way out
+            return None
+        breaker.observe(None, None)
+        shaped: dict[str, Any] = {}
+        if self.spec.output_schema is not None:
+            shaped, messages = self.spec.output_schema.shape(self.provider_kind, messages)
+        body = {**self.params, **shaped, "model": self.model, "messages": messages}
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = self.max_tokens
+        rhash = request_identity(body, self.scopes[0])
+        cid = custom_id(rid, rhash)
+        stored = done.get(rid)
+        # Rows stored, or in a batch, under the earlier identity are recognised too.
+        legacy = request_identity(body, self.scopes[1]) if stored or in_flight else None
+        if stored is not None and stored in (rhash, legacy):
+            self.stats.skipped += 1
+            self.finalized.add(rid)
+            return None
+        if cid in in_flight or (legacy and custom_id(rid, legacy) in in_flight):
+            return None
+        tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
+        if self.window and tokens > self.window:
+            self.finalized.add(rid)
+            failed.append(
+                self.rows.failed(
+                    rid,
+                    rhash,
+                    E.CONTEXT_LENGTH,
+                    f"prompt + max_tokens is about {tokens} tokens, over the model's "
+                    f"context window of {self.window}; not sent",
+                )
+            )
+            return None
+        self._items[cid] = (rid, rhash)
+        return BatchLine(cid, body, tokens)
 
     async def _submit(self) -> None:
         """Submit the queue file by file; stop (and wait) at the enqueued-token limit."""
@@ -360,30 +355,32 @@ class BatchPartitionRun:
         }
 
     # -- collecting --------------------------------------------------------------------------
+    async def _unreached_before(self, record: dict[str, Any]) -> Counter[str]:
+        """custom_id -> how many other expired or cancelled batches of the partition held it."""
+        earlier: Counter[str] = Counter()
+        for s in await self._states():
+            if s["intent_id"] != record["intent_id"] and s["provider_status"] in UNREACHED:
+                earlier.update(json.loads(s["items"]).keys())
+        return earlier
+
     async def _collect(self, record: dict[str, Any], batch: dict[str, Any], queued: float) -> None:
         items: dict[str, list[Any]] = json.loads(record["items"])
         status = batch["status"]
-        rows: list[dict[str, Any]] = []
-        secret = self.llm.api_key
-        if status == "failed":
-            errors = (batch.get("errors") or {}).get("data") or [{}]
-            code = str(errors[0].get("code") or "batch_failed")
-            if code == "token_limit_exceeded":  # the provider's queue is full: send them later
-                self._provider_full = True
-            else:
-                reason = E.redact(str(errors[0].get("message") or code), secret)
-                rows = [
-                    self.rows.failed(i, h, code, f"batch {batch['id']} failed: {reason}")
-                    for i, h in items.values()
-                ]
+        records = []
+        if status == "failed":  # a full provider queue returns the rows to pending, for later
+            self._provider_full |= failure(batch)[0] == "token_limit_exceeded"
         else:
             records = await self.client.lines(batch.get("output_file_id"))
             records += await self.client.lines(batch.get("error_file_id"))
-            for rec in records:
-                line = parse_output_line(rec, secret)
-                if line.custom_id in items and line.processed:
-                    rid, rhash = items[line.custom_id]
-                    rows.append(self.rows.line(rid, rhash, line, max_tokens=self.max_tokens))
+        rows = self.rows.collected(
+            batch,
+            items,
+            records,
+            secret=self.llm.api_key,
+            max_tokens=self.max_tokens,
+            unreached_before=await self._unreached_before(record) if status in UNREACHED else None,
+            max_resubmits=self.s.max_resubmits,
+        )
         for i in range(0, len(rows), self.spec.chunk_rows):
             chunk = rows[i : i + self.spec.chunk_rows]
             await asyncio.to_thread(self.db.write_results, self.spec.output, chunk)

@@ -3,32 +3,82 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dagster as dg
 
 from ..engine import errors as E
-from ..engine.batch_api import LineResult
+from ..engine.batch_api import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_FILE_REQUESTS,
+    LineResult,
+    parse_output_line,
+)
 from ..engine.engine import ChatResult
 from ..engine.outcome import classify_answer
 from ..resources.llm import LLMResource
-from ..warehouses.base import SliceFilter, Warehouse
+from ..warehouses.base import SliceFilter, Warehouse, check_table
 from .checks import check_results, judge_partition
 from .journal import default_journal_dir, journal_key
 from .lease import partition_lease
-from .metadata import build_metadata
-from .pipeline import RunSpec, RunStats
+from .metadata import RunStats, build_metadata
+from .pipeline import RunSpec
 from .pricing import cost_usd, price_for_resource
 from .structured import OutputSchema, field_check_results, field_quality, quality_metadata
-
-if TYPE_CHECKING:
-    from .batch_mode import BatchSettings
 
 # OpenAI's and Azure OpenAI's batch list price is half the live one. The dagster helper moves
 # prices to genai-prices, which knows batch prices per model: use those when it lands.
 BATCH_PRICE_FACTOR = 0.5
+# A batch that ended before reaching a request: the request's error class once it is given up.
+UNREACHED = {"expired": "batch_expired", "cancelled": "batch_cancelled"}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How batch mode splits, queues and waits. Keyword-built by the factory and the component."""
+
+    wait: bool = True
+    max_file_requests: int = DEFAULT_MAX_FILE_REQUESTS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    enqueued_token_limit: int | None = None
+    poll_first_s: float = 2.0
+    poll_max_s: float = 300.0
+    price_factor: float = BATCH_PRICE_FACTOR
+    max_resubmits: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_file_requests", "max_file_bytes", "poll_first_s", "poll_max_s"):
+            if not getattr(self, name) > 0:
+                raise E.BatchLLMError(description=f"batch {name} must be > 0")
+        if self.enqueued_token_limit is not None and self.enqueued_token_limit < 1:
+            raise E.BatchLLMError(description="batch enqueued_token_limit must be >= 1 or None")
+        if type(self.max_resubmits) is not int or self.max_resubmits < 0:
+            raise E.BatchLLMError(description="batch max_resubmits must be an integer >= 0")
+        if not 0 <= self.price_factor <= 1:
+            raise E.BatchLLMError(description="batch price_factor must be within [0, 1]")
+
+
+def state_table_for(output: str) -> str:
+    """The state table beside the output table: `<output>__bla_batches`."""
+    parts = check_table(output)
+    return ".".join([*parts[:-1], parts[-1] + "__bla_batches"])
+
+
+def custom_id(row_id: Any, rhash: str) -> str:
+    """A row's identity in a batch: its id and request hash (the same work, the same id)."""
+    return hashlib.sha256(json.dumps([str(row_id), rhash]).encode()).hexdigest()[:40]
+
+
+def failure(batch: dict[str, Any]) -> tuple[str, str]:
+    """(code, message) of a failed batch's first error."""
+    errors = (batch.get("errors") or {}).get("data") or [{}]
+    code = str(errors[0].get("code") or "batch_failed")
+    return code, str(errors[0].get("message") or code)
 
 
 @dataclass
@@ -67,6 +117,54 @@ class BatchRows:
         self.model, self.partition_key = model, partition_key
         self.stats = BatchStats(cost_usd=0.0 if self.price is not None else None)
 
+    def collected(
+        self,
+        batch: dict[str, Any],
+        items: dict[str, list[Any]],
+        records: list[dict[str, Any]],
+        *,
+        secret: str,
+        max_tokens: int,
+        unreached_before: Counter[str] | None,
+        max_resubmits: int,
+    ) -> list[dict[str, Any]]:
+        """The rows of an ended batch: its output and error lines; every request of a failed
+        batch failed with its reason (none when the provider's queue was full: they go back to
+        pending). The requests an expired or cancelled batch did not reach go back to pending
+        too, unless they were already in `max_resubmits` such batches (`unreached_before`):
+        then they fail with its reason."""
+        if batch["status"] == "failed":
+            code, reason = failure(batch)
+            if code == "token_limit_exceeded":
+                return []
+            reason = E.redact(reason, secret)
+            message = f"batch {batch['id']} failed: {reason}"
+            return [self.failed(i, h, code, message) for i, h in items.values()]
+        rows, reached = [], set()
+        for rec in records:
+            line = parse_output_line(rec, secret)
+            if line.custom_id in items and line.processed:
+                reached.add(line.custom_id)
+                rid, rhash = items[line.custom_id]
+                rows.append(self.line(rid, rhash, line, max_tokens=max_tokens))
+        status = batch["status"]
+        for cid, (rid, rhash) in items.items():
+            if unreached_before is None or cid in reached:
+                continue
+            n = unreached_before[cid] + 1
+            if n > max_resubmits:
+                rows.append(
+                    self.failed(
+                        rid,
+                        rhash,
+                        UNREACHED[status],
+                        f"{n} batches in a row ended {status} before reaching this request "
+                        f"(the last: {batch['id']}); not submitted again "
+                        f"(max_resubmits={max_resubmits})",
+                    )
+                )
+        return rows
+
     def line(
         self,
         rid: Any,
@@ -81,7 +179,7 @@ class BatchRows:
         resp = line.response
         if resp is None:
             return self.failed(
-                rid, rhash, line.error_class or E.SERVER_ERROR, line.error_message or ""
+                rid, rhash, line.error_class or E.SERVER_ERROR, line.error_message or "", attempts=1
             )
         verdict = classify_answer(resp, tools_allowed=tools_allowed, max_tokens=max_tokens)
         status, error_class, message = verdict.status, verdict.error_class, verdict.message
@@ -106,11 +204,14 @@ class BatchRows:
         )
         return self.row(result, rhash)
 
-    def failed(self, rid: Any, rhash: str | None, error_class: str, message: str) -> dict[str, Any]:
-        return self.row(
-            ChatResult(rid, "failed", error_class=error_class, error_message=message, attempts=1),
-            rhash,
+    def failed(
+        self, rid: Any, rhash: str | None, error_class: str, message: str, *, attempts: int = 0
+    ) -> dict[str, Any]:
+        """A failed row; `attempts` 0 for a request the provider never processed."""
+        result = ChatResult(
+            rid, "failed", error_class=error_class, error_message=message, attempts=attempts
         )
+        return self.row(result, rhash)
 
     def row(self, r: ChatResult, rhash: str | None) -> dict[str, Any]:
         cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)

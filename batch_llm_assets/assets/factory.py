@@ -98,6 +98,7 @@ def build_llm_batch_asset(
     partitions_per_run: int | None = 1,
     warehouse_kind: str = "duckdb",
     provider: str | None = None,
+    identity_endpoint: bool | None = None,
     pool: str | None = None,
     llm_resource_key: str = "llm",
     warehouse_resource_key: str = "warehouse",
@@ -153,6 +154,7 @@ def build_llm_batch_asset(
         partitions_per_run=partitions_per_run,
         warehouse_kind=warehouse_kind,
         provider=provider,
+        identity_endpoint=identity_endpoint,
         pool=pool,
         llm_resource_key=llm_resource_key,
         warehouse_resource_key=warehouse_resource_key,
@@ -192,6 +194,7 @@ def build_asset_from_spec(
         chunk_rows=spec.chunk_rows,
         output_schema=typed,
         repair_attempts=spec.repair_attempts,
+        identity_endpoint=spec.identity_endpoint,
     )
     llm_key, warehouse_key, output = spec.llm_resource_key, spec.warehouse_resource_key, spec.output
     deps = [

@@ -133,7 +133,7 @@ class ResultJournal:
     def commit(self, mark: int) -> None:
         """Every row of segments up to `mark` is in the warehouse: delete them."""
         for n in range(self._committed + 1, mark + 1):
-            self._segment_path(n).unlink(missing_ok=True)
+            _unlink(self._segment_path(n))
         self._committed = max(self._committed, mark)
 
     def clear(self) -> None:
@@ -141,7 +141,7 @@ class ResultJournal:
         self._buffer.clear()
         self.close()
         for path in self._segments():
-            path.unlink(missing_ok=True)
+            _unlink(path)
         self._committed = self._segment
 
     def close(self) -> None:
@@ -159,6 +159,16 @@ class ResultJournal:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _unlink(path: Path) -> None:
+    """Delete a segment whose rows are in the warehouse. One that cannot be deleted (the file
+    system went read-only) stays: the next run writes the same rows again, which changes
+    nothing, and deletes it then."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _error(action: str, path: Path, exc: OSError) -> JournalError:

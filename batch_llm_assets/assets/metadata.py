@@ -8,12 +8,54 @@ that cannot be known (no price for the model) is left out, never written as text
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
 
+from ..engine.engine import ChatResult
 from .checks import failed_fraction
-from .pipeline import RunStats
+
+
+@dataclass
+class RunStats:
+    rows_in: int = 0
+    sent: int = 0  # rows that reached the provider (at least one attempt)
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float | None = 0.0
+    retries: int = 0
+    http_429: int = 0
+    rate_limit_wait_s: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    wall_s: float = 0.0
+    aborted: str | None = None
+
+    @property
+    def processed(self) -> int:
+        return self.ok + self.failed + self.skipped
+
+    def add(self, r: ChatResult, cost: float | None) -> None:
+        if r.attempts:
+            self.sent += 1
+        if r.ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.errors[r.error_class or "unknown"] += 1
+        self.prompt_tokens += r.prompt_tokens or 0
+        self.completion_tokens += r.completion_tokens or 0
+        if r.prompt_tokens is not None and self.cost_usd is not None:  # billed, even if failed
+            self.cost_usd = None if cost is None else self.cost_usd + cost
+        self.retries += max(0, r.attempts - 1)
+        self.http_429 += r.http_429
+        if r.latency_ms is not None:
+            self.latencies.append(r.latency_ms)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -45,7 +87,7 @@ def partition_metadata(summary: dict[str, Any], rows_in: int) -> dict[str, Any]:
 def run_metadata(stats: RunStats) -> dict[str, Any]:
     """What this run did: rows sent and skipped, its tokens and cost, time, waits, 429s."""
     wall = max(stats.wall_s, 1e-9)
-    sent = stats.ok + stats.failed
+    sent = stats.sent  # rows failed before sending (an empty prompt, a template) are not sent
     tokens = stats.prompt_tokens + stats.completion_tokens
     md: dict[str, Any] = {
         "run/rows_sent": dg.MetadataValue.int(sent),
@@ -92,14 +134,16 @@ def _summary_text(stats: RunStats, summary: dict[str, Any], rows_in: int, output
     latency = (
         f"{_percentile(lat, 0.5):.0f} / {_percentile(lat, 0.95):.0f} ms" if lat else "no request"
     )
-    sent = stats.ok + stats.failed
+    sent = stats.sent
+    unsent = stats.ok + stats.failed - sent
     return (
         f"**Partition** (`{output}`): **{summary['rows_ok']}** ok, **{summary['rows_failed']}** "
         f"failed of {rows_in} input rows; {summary['prompt_tokens']} / "
         f"{summary['completion_tokens']} tokens in / out, cost {_money(summary['cost_usd'])} "
         f"to date. Errors: {errors}\n\n"
-        f"**This run**: {sent} sent ({stats.ok} ok, {stats.failed} failed), {stats.skipped} "
-        f"skipped as already done\n\n"
+        f"**This run**: {sent} sent; {stats.ok} ok, {stats.failed} failed"
+        + (f" ({unsent} of them before sending)" if unsent else "")
+        + f", {stats.skipped} skipped as already done\n\n"
         "| tokens in / out | cost | wall | limiter wait | p50 / p95 latency | 429s | retries |\n"
         "|---|---|---|---|---|---|---|\n"
         f"| {stats.prompt_tokens} / {stats.completion_tokens} | {_money(stats.cost_usd)} | "

@@ -19,9 +19,8 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,12 @@ from ..engine import cancel_and_wait
 from ..engine import errors as E
 from ..engine.engine import ChatResult
 from ..engine.errors import redact
+from ..engine.identity import identity_scopes
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
+from .metadata import RunStats
 from .pricing import cost_usd, price_for_resource, served_model
 from .prompt import CompiledPrompt
 from .reader import SliceReader
@@ -51,43 +52,6 @@ PROGRESS_EVERY_S = 30.0
 _TEXT_FIELDS = ("response", "error", "finish_reason", "refusal", "model")
 
 
-@dataclass
-class RunStats:
-    rows_in: int = 0
-    ok: int = 0
-    failed: int = 0
-    skipped: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float | None = 0.0
-    retries: int = 0
-    http_429: int = 0
-    rate_limit_wait_s: float = 0.0
-    latencies: list[float] = field(default_factory=list)
-    errors: Counter[str] = field(default_factory=Counter)
-    wall_s: float = 0.0
-    aborted: str | None = None
-
-    @property
-    def processed(self) -> int:
-        return self.ok + self.failed + self.skipped
-
-    def add(self, r: ChatResult, cost: float | None) -> None:
-        if r.ok:
-            self.ok += 1
-        else:
-            self.failed += 1
-            self.errors[r.error_class or "unknown"] += 1
-        self.prompt_tokens += r.prompt_tokens or 0
-        self.completion_tokens += r.completion_tokens or 0
-        if r.prompt_tokens is not None and self.cost_usd is not None:  # billed, even if failed
-            self.cost_usd = None if cost is None else self.cost_usd + cost
-        self.retries += max(0, r.attempts - 1)
-        self.http_429 += r.http_429
-        if r.latency_ms is not None:
-            self.latencies.append(r.latency_ms)
-
-
 @dataclass(frozen=True)
 class RunSpec:
     source: SourceRef
@@ -98,6 +62,15 @@ class RunSpec:
     chunk_rows: int
     output_schema: OutputSchema | None = None  # typed outputs (assets/structured.py)
     repair_attempts: int = 1
+    identity_endpoint: bool | None = None  # None: the LLM resource's setting
+
+    def identity_scopes(self, llm: LLMResource) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The request identity's scope for this asset on `llm`, and the earlier definition's
+        (rows stored under it are done too: an upgrade sends nothing again)."""
+        pin = llm.identity_endpoint if self.identity_endpoint is None else self.identity_endpoint
+        return identity_scopes(
+            llm.base_url, llm.api_version, provider=llm.provider, pin_endpoint=pin
+        )
 
 
 class PartitionRun:
@@ -209,11 +182,15 @@ class PartitionRun:
             row.update(storable_row(self.typed.result_values(r.ok, r.response)))
         return row
 
-    def _accept(self, writer: ChunkWriter, failed: asyncio.Future[BaseException]) -> Any:
+    def _accept(
+        self, writer: ChunkWriter, failed: asyncio.Future[BaseException], engine: Any
+    ) -> Any:
         """The workers' hook: each answer is taken the moment it is parsed. The answers of one
         event-loop turn become rows together at its end (a tight loop: about a third of the
         per-answer cost when interleaved with the workers' sends), go to the writer, then to the
-        journal in one write. A journal that cannot be written fails the run at once (`failed`)."""
+        journal in one write. A journal that cannot be written (`failed`) stops the sending at
+        once; the answers of the requests already on the wire are paid, so they still come in
+        and are kept in memory for the warehouse."""
         journal = self.journal
         assert journal is not None
         loop = asyncio.get_running_loop()
@@ -226,16 +203,16 @@ class PartitionRun:
             rows = [self._row(r, now) for r in turn]
             turn.clear()
             writer.extend(rows)  # in memory first: a journal that fails loses nothing received
+            if failed.done():
+                return
             journal.extend(rows)
             try:
                 journal.flush()
             except Exception as exc:
-                if not failed.done():
-                    failed.set_result(exc)
+                failed.set_result(exc)
+                engine.breaker.stop("the result journal cannot be written")
 
         def on_result(r: ChatResult) -> None:
-            if failed.done():
-                raise failed.result()
             if not turn:
                 loop.call_soon(flush)
             turn.append(r)
@@ -253,7 +230,8 @@ class PartitionRun:
         last_log = started
         next_pct = 10
         # The reader hashes the exact body this engine sends.
-        stream = engine.map(self.reader.requests(engine), on_result=self._accept(writer, failed))
+        requests = _until(self.reader.requests(engine), failed)
+        stream = engine.map(requests, on_result=self._accept(writer, failed, engine))
         async with contextlib.aclosing(stream) as results:
             async for _ in results:
                 await writer.room()
@@ -282,10 +260,11 @@ class PartitionRun:
             consumer = asyncio.create_task(self._consume(engine, writer, started, failed))
             writing = asyncio.create_task(writer.run())
             try:
-                await asyncio.wait({consumer, writing, failed}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({consumer, writing}, return_when=asyncio.FIRST_COMPLETED)
                 self._flush_turn()  # answers of the last turn, if its end has not come yet
-                if failed.done():  # the journal cannot be written: stop sending now
-                    consumer.cancel()
+                if failed.done():
+                    # The journal cannot be written: nothing more was sent, the answers of the
+                    # requests that were on the wire came in; all are written now.
                     await _write_what_arrived(writer, writing)
                     raise failed.result()
                 if writing.done():  # the writer only ends early when a write failed
@@ -361,6 +340,17 @@ class PartitionRun:
             finally:
                 journal.close()
         return self.stats
+
+
+async def _until(
+    requests: AsyncIterator[Any], failed: asyncio.Future[BaseException]
+) -> AsyncIterator[Any]:
+    """The requests, until the journal fails: then the workers finish what they hold."""
+    async with contextlib.aclosing(requests):
+        async for req in requests:
+            if failed.done():
+                return
+            yield req
 
 
 async def _write_what_arrived(writer: ChunkWriter, writing: asyncio.Task[None]) -> None:

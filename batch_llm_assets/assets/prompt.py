@@ -174,7 +174,8 @@ _WATCHDOG = _Watchdog()
 
 
 class PromptError(BatchLLMError):
-    """A prompt template that cannot work: malformed, or naming an unknown column."""
+    """A prompt template that cannot work: malformed, naming an unknown column, or failing
+    every row."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ..engine.engine import ChatRequest, Engine
 from ..engine.identity import MessagesIdentity, request_identity
 from ..engine.structured import provider_kind, validator
 from ..warehouses.base import SliceFilter, WarehouseSession
+from .template_breaker import TemplateBreaker
 
 if TYPE_CHECKING:
     from ..resources.llm import LLMResource
@@ -66,7 +67,9 @@ class SliceReader:
         self.hashes: dict[Any, str] = {}  # id -> request identity, taken by the row's answer
         self.nothing_done = False  # set by preflight: no output rows yet, so no lookups
         self._engine: Engine | None = None
-        self._identities: tuple[str, MessagesIdentity] | None = None
+        self.scopes = spec.identity_scopes(llm)
+        self.template = TemplateBreaker()
+        self._identities: dict[tuple[str, int], MessagesIdentity] = {}
         self._stop = threading.Event()
         # Typed outputs: the provider's form of structured output.
         self.provider_kind = provider_kind(
@@ -88,6 +91,8 @@ class SliceReader:
                     # workers' sends at about three times that (measured; caches stay warm).
                     for req in list(self._render(chunk, self._done(chunk))):
                         yield req
+                    if self.template.error is not None:
+                        raise self.template.error
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `slots`, taken by the reader
         slots = threading.Semaphore(READ_AHEAD_CHUNKS)
@@ -103,10 +108,13 @@ class SliceReader:
                     return
                 if isinstance(batch, _ReaderFailed):
                     raise batch.exc
-                if isinstance(batch, tuple):
+                here = isinstance(batch, tuple)  # a plain template: rendered on the loop
+                if here:
                     batch = self._render(*batch)
                 for req in batch:
                     yield req
+                if here and self.template.error is not None:
+                    raise self.template.error
         finally:
             self._stop.set()
 
@@ -140,6 +148,9 @@ class SliceReader:
                     # A plain template renders on the event loop as rows are pulled (no GIL
                     # contention with this thread); any other one here, off the loop.
                     put((chunk, done) if plain else list(self._render(chunk, done)))
+                    if not plain and self.template.error is not None:
+                        put(_ReaderFailed(self.template.error))  # after the rows failed so far
+                        return
             put(_END)
         except _Stopped:
             return
@@ -163,21 +174,18 @@ class SliceReader:
             messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
             if problem is not None:
                 yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
+                if self.template.observe(*problem):  # in row order, as rendered
+                    return  # the rows failed so far are kept; the caller raises the error
                 continue
+            self.template.observe(None, None)
             assert self._engine is not None
             params, messages = (
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
             )
             # The exact body, structured params (the schema) included: a changed schema re-runs.
-            if params is None:
-                h = self._identity(messages)
-            else:
-                h = request_identity(
-                    self._engine.request_body(messages, params),
-                    self.llm.base_url,
-                    self.llm.api_version,
-                )
-            if done.get(rid) == h:
+            h = self._hash(messages, params, 0)
+            stored = done.get(rid)
+            if stored is not None and (stored == h or stored == self._hash(messages, params, 1)):
                 self.stats.skipped += 1
                 continue
             self.hashes[rid] = h
@@ -192,16 +200,20 @@ class SliceReader:
                 repair_attempts=self.spec.repair_attempts,
             )
 
-    def _identity(self, messages: list[dict[str, Any]]) -> str:
-        """request_identity of the body sent for these messages (the rest of the body is the
-        same for every row while the engine keeps its token parameter)."""
-        assert self._engine is not None
-        key = self._engine.token_param
-        if self._identities is None or self._identities[0] != key:
-            body = self._engine.request_body([])
+    def _hash(
+        self, messages: list[dict[str, Any]], params: dict[str, Any] | None, legacy: int
+    ) -> str:
+        """request_identity of the body sent for these messages, in `scopes[legacy]`. Without
+        params the rest of the body is the same for every row while the engine keeps its token
+        parameter: it is encoded once."""
+        engine = self._engine
+        assert engine is not None
+        if params is not None:
+            return request_identity(engine.request_body(messages, params), self.scopes[legacy])
+        key = (engine.token_param, legacy)
+        identity = self._identities.get(key)
+        if identity is None:
+            body = engine.request_body([])
             del body["messages"]
-            self._identities = (
-                key,
-                MessagesIdentity(body, self.llm.base_url, self.llm.api_version),
-            )
-        return self._identities[1](messages, text_only=True)  # rendered: role and content
+            identity = self._identities[key] = MessagesIdentity(body, self.scopes[legacy])
+        return identity(messages, text_only=True)  # rendered: role and content

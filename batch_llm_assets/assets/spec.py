@@ -249,6 +249,11 @@ class BatchSpec(_Spec):
     price_factor: float = Field(
         default=0.5, description="Batch price as a fraction of the live price (0-1)."
     )
+    max_resubmits: int = Field(
+        default=3,
+        description="Times the rows an expired or cancelled batch did not reach are submitted "
+        "again; then they fail batch_expired (or batch_cancelled) and the run ends.",
+    )
     sensor_interval_s: int = Field(
         default=300, description="Seconds between ticks of the batch-completion sensor."
     )
@@ -345,6 +350,12 @@ class LlmBatchSpec(_Spec):
         default=None,
         description="Provider profile (openai, azure, gemini, vllm, llama.cpp, ollama, ...): "
         "the asset's kind and the default concurrency pool. Default: openai.",
+    )
+    identity_endpoint: bool | None = Field(
+        default=None,
+        description="Put the endpoint (base_url) into each request's identity, so a rerun "
+        "against another endpoint sends every row again (for two endpoints that serve "
+        "different models under one name). None: the LLM resource's identity_endpoint.",
     )
     pool: str | None = Field(
         default=None,

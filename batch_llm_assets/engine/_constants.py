@@ -25,6 +25,10 @@ MAX_SERVER_HINT_S = 600.0
 # rows x max_attempts. Retries after a 429 are paced by the limiter and do not count.
 BREAKER_THRESHOLD = 5
 RETRY_BUDGET_BASE = 100
+# Template breaker (assets/prompt.py): this many consecutive rows failing to render the same
+# way (prompt_render, prompt_too_large) is the template's fault, not the data's: the run stops.
+# Higher than BREAKER_THRESHOLD: a few large documents side by side are ordinary data.
+TEMPLATE_BREAKER_THRESHOLD = 10
 RETRY_BUDGET_RATIO = 2.0
 # Tokens estimated with a fallback encoding (a model tiktoken does not know) are scaled up by
 # this margin, so the TPM reservation and the context check are not too low.

@@ -30,6 +30,7 @@ COMPLETION_WINDOW = "24h"
 DEFAULT_MAX_FILE_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_ATTEMPTS = 5  # of an idempotent call
+LIST_PAGE = 100  # batches per list call (OpenAI's maximum)
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 # Line errors that mean "never processed": the request goes back to pending, it did not fail.
 NOT_PROCESSED = frozenset({"batch_expired", "batch_cancelled"})
@@ -210,19 +211,42 @@ class BatchClient:
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         return await self._call("POST", f"/batches/{batch_id}/cancel")
 
-    async def find(self, key: str, value: str, *, max_pages: int = 20) -> dict[str, Any] | None:
-        """The newest batch whose metadata[key] == value (list, newest first), or None."""
+    async def file_created_at(self, file_id: str) -> float | None:
+        """When the provider received the file (its clock), or None if it cannot say."""
+        try:
+            info = await self._call("GET", f"/files/{file_id}")
+        except BatchAPIError as exc:
+            if exc.metadata.get("retryable"):
+                raise
+            return None  # gone, or a provider without this route: the whole list is read
+        created = info.get("created_at")
+        return float(created) if isinstance(created, int | float) else None
+
+    async def find(
+        self, *, tag: tuple[str, str], input_file_id: str, not_before: float | None
+    ) -> dict[str, Any] | None:
+        """The batch created from `input_file_id` or carrying metadata[tag[0]] == tag[1], or
+        None. The list is newest first, so the search ends at the first batch created before
+        `not_before` (the input file's upload, in the provider's clock: a batch of it cannot be
+        older), however many newer batches the key has; without it, at the end of the list."""
+        key, value = tag
         after: str | None = None
-        for _ in range(max_pages):
-            params = {"limit": "100", **({"after": after} if after else {})}
+        while True:
+            params = {"limit": str(LIST_PAGE), **({"after": after} if after else {})}
             page = await self._call("GET", "/batches", params=params)
-            for batch in page.get("data") or []:
-                if (batch.get("metadata") or {}).get(key) == value:
+            data = [b for b in page.get("data") or [] if isinstance(b, dict)]
+            for batch in data:
+                meta = batch.get("metadata")
+                if batch.get("input_file_id") == input_file_id or (
+                    isinstance(meta, dict) and meta.get(key) == value
+                ):
                     return batch
-            if not page.get("has_more"):
+            oldest = data[-1].get("created_at") if data else None
+            if not_before is not None and isinstance(oldest, int | float) and oldest < not_before:
+                return None
+            if not page.get("has_more") or not data or page.get("last_id") in (None, after):
                 return None
             after = page.get("last_id")
-        return None
 
     async def lines(self, file_id: str | None) -> list[dict[str, Any]]:
         """The records of an output or error file ([] for none)."""

@@ -108,6 +108,11 @@ class Breaker:
                 f"{exc.message}); the remaining requests were not sent"
             )
 
+    def stop(self, reason: str) -> None:
+        """Stop sending for a cause outside the engine (the caller cannot keep the answers): a
+        request on the wire still returns its answer; the others fail `aborted`."""
+        self._trip(reason)
+
     def _trip(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason

@@ -1,9 +1,17 @@
 """The identity of a request: what a rerun compares to decide that a row's answer still holds.
 
 It is the sha256 of the exact body sent (after every default: model, max_tokens, params,
-messages) and of the endpoint (base_url, api_version), never of the key. Numbers are normalised
-(`1` and `1.0` are the same temperature) and keys sorted, so only a change that reaches the
-provider changes the identity.
+messages) and of what else decides the answer: the provider kind (OpenAI, Azure OpenAI, Gemini,
+or a self-hosted server) and Azure's api_version (its deployment is the body's `model`). Never
+the key, and not the transport: the host, port, scheme and path of the endpoint are left out,
+so a self-hosted server that moves (a new pod address, a restarted llama.cpp on another port, a
+gateway in front of the same model) does not make a rerun pay again. `pin_endpoint` puts the
+endpoint back in, for two endpoints that serve different models under one name.
+Numbers are normalised (`1` and `1.0` are the same temperature) and keys sorted, so only a
+change that reaches the provider changes the identity.
+
+`legacy_scope` is the identity of the earlier definition (the body and the endpoint URL): rows
+stored under it are still recognised as done, so an upgrade sends nothing again.
 """
 
 from __future__ import annotations
@@ -14,6 +22,47 @@ import math
 from typing import Any
 
 import orjson
+
+from .profiles import detect_provider
+
+SELF_HOSTED = "self-hosted"
+_HOSTED = {"openai": "openai", "azure": "azure", "azureopenai": "azure", "gemini": "gemini"}
+
+
+def endpoint_scope(
+    base_url: str,
+    api_version: str | None = None,
+    *,
+    provider: str | None = None,
+    pin_endpoint: bool = False,
+) -> dict[str, Any]:
+    """What of the endpoint decides an answer: the provider kind, Azure's api_version, and the
+    endpoint itself only when pinned."""
+    name = (provider or detect_provider(base_url, api_version=api_version)).lower()
+    scope: dict[str, Any] = {
+        "provider": _HOSTED.get(name.replace(" ", "").replace("_", ""), SELF_HOSTED),
+        "api_version": api_version,
+    }
+    if pin_endpoint:
+        scope["endpoint"] = base_url.rstrip("/")
+    return scope
+
+
+def legacy_scope(base_url: str, api_version: str | None = None) -> dict[str, Any]:
+    """The scope of the identity before the provider kind replaced the endpoint URL."""
+    return {"endpoint": base_url.rstrip("/"), "api_version": api_version}
+
+
+def identity_scopes(
+    base_url: str,
+    api_version: str | None = None,
+    *,
+    provider: str | None = None,
+    pin_endpoint: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the scope new identities are made in, the legacy one stored rows may carry)."""
+    scope = endpoint_scope(base_url, api_version, provider=provider, pin_endpoint=pin_endpoint)
+    return scope, legacy_scope(base_url, api_version)
 
 
 def _normalise(value: Any) -> Any:
@@ -43,13 +92,9 @@ _DUMPS = json.JSONEncoder(
 _HOLE = "\ue000messages\ue000"  # a private-use placeholder no body contains
 
 
-def request_identity(body: dict[str, Any], base_url: str, api_version: str | None = None) -> str:
-    """sha256 (hex) of the request body and the endpoint it goes to; the key is not part of it."""
-    doc = {
-        "body": _normalise(body),
-        "endpoint": base_url.rstrip("/"),
-        "api_version": api_version,
-    }
+def request_identity(body: dict[str, Any], scope: dict[str, Any]) -> str:
+    """sha256 (hex) of the request body and its `endpoint_scope` (or `legacy_scope`)."""
+    doc = {**scope, "body": _normalise(body)}
     return hashlib.sha256(_DUMPS(doc).encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -58,12 +103,8 @@ class MessagesIdentity:
     (a partition run hashes every row): the rest of the document is encoded once, and sorted-key
     JSON of the whole is the JSON of its parts, so the digest is the same."""
 
-    def __init__(self, body: dict[str, Any], base_url: str, api_version: str | None = None):
-        doc = {
-            "body": _normalise({**body, "messages": _HOLE}),
-            "endpoint": base_url.rstrip("/"),
-            "api_version": api_version,
-        }
+    def __init__(self, body: dict[str, Any], scope: dict[str, Any]):
+        doc = {**scope, "body": _normalise({**body, "messages": _HOLE})}
         text = _DUMPS(doc)
         hole = _DUMPS(_HOLE)
         if text.count(hole) != 1:

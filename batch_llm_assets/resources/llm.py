@@ -57,6 +57,14 @@ class LLMResource(dg.ConfigurableResource):
         "(api.openai.com, *.openai.azure.com, generativelanguage.googleapis.com, port 8000 "
         "vLLM, port 8080/11434 llama.cpp/Ollama; else generic).",
     )
+    identity_endpoint: bool = Field(
+        default=False,
+        description="Put the endpoint (base_url) into each request's identity, which a rerun "
+        "compares to skip rows already done. Off: the identity is the exact body, the provider "
+        "kind and Azure's api_version, so a self-hosted server that moves (another host or "
+        "port) does not make a rerun pay again. Turn it on when two endpoints serve different "
+        "models under one name.",
+    )
     max_concurrency: int | None = Field(
         default=None,
         ge=1,

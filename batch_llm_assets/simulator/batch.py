@@ -100,11 +100,13 @@ class BatchAPI:
         self.sim = sim
         self.config = BatchSimConfig()
         self.files: dict[str, tuple[str, bytes]] = {}  # id -> (purpose, content)
+        self.file_times: dict[str, float] = {}  # id -> created_at
         self.batches: dict[str, _Batch] = {}
 
     def register(self, app: web.Application) -> None:
         for prefix in ("/v1", "/openai"):  # OpenAI's and Azure OpenAI's URL forms
             app.router.add_post(f"{prefix}/files", self.upload)
+            app.router.add_get(f"{prefix}/files/{{file_id}}", self.file_info)
             app.router.add_get(f"{prefix}/files/{{file_id}}/content", self.content)
             app.router.add_post(f"{prefix}/batches", self.create)
             app.router.add_get(f"{prefix}/batches", self.list)
@@ -145,17 +147,29 @@ class BatchAPI:
             )
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         self.files[file_id] = ("batch", content)
+        self.file_times[file_id] = time.time()
         self.sim.counts["files_uploaded"] += 1
-        return web.json_response(
-            {
-                "id": file_id,
-                "object": "file",
-                "bytes": len(content),
-                "created_at": int(time.time()),
-                "filename": name,
-                "purpose": "batch",
-            }
-        )
+        return web.json_response(self._file_body(file_id, name))
+
+    def _file_body(self, file_id: str, name: str = "upload.jsonl") -> dict[str, Any]:
+        purpose, content = self.files[file_id]
+        return {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(content),
+            "created_at": int(self.file_times.get(file_id, 0)),
+            "filename": name,
+            "purpose": purpose,
+        }
+
+    async def file_info(self, request: web.Request) -> web.Response:
+        denied = self.sim._auth_error(request)
+        if denied is not None:
+            return denied
+        file_id = request.match_info["file_id"]
+        if file_id not in self.files:
+            return _error(404, "No such file", "not_found")
+        return web.json_response(self._file_body(file_id))
 
     async def content(self, request: web.Request) -> web.Response:
         denied = self.sim.auth_error(request)
@@ -228,7 +242,12 @@ class BatchAPI:
         denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
-        limit = int(request.query.get("limit", "20"))
+        try:  # OpenAI's bounds: 1 to 100, default 20
+            limit = int(request.query.get("limit", "20"))
+        except ValueError:
+            return _error(400, "limit must be an integer")
+        if not 1 <= limit <= 100:
+            return _error(400, f"limit must be between 1 and 100, got {limit}")
         after = request.query.get("after")
         ordered = sorted(self.batches.values(), key=lambda b: b.created_at, reverse=True)
         if after:
