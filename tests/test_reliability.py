@@ -415,7 +415,11 @@ def test_a_planted_key_appears_in_no_log_metadata_exception_or_row(fresh_sim, tm
 # -- injection ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ['t"; DROP TABLE x; --', "t`x", "t' OR 1=1", "t /* c */", "a;b"])
+@pytest.mark.parametrize(
+    # "t\n": a pattern anchored with `$` would take it (`$` matches before a final newline).
+    "name",
+    ['t"; DROP TABLE x; --', "t`x", "t' OR 1=1", "t /* c */", "a;b", "t\n"],
+)
 def test_names_that_carry_sql_are_refused(name):
     with pytest.raises(BatchLLMError, match="Invalid"):
         sentiment(
@@ -520,6 +524,12 @@ def test_a_bigquery_project_id_is_the_only_place_a_hyphen_passes():
     from batch_llm_assets.warehouses.base import check_table
 
     assert check_table("my-project.research.news") == ("my-project", "research", "news")
-    for bad in ("my-project.news", "proj.my-data.news", "my-project;x.a.b", "-project.a.b"):
+    for bad in (
+        "my-project.news",
+        "proj.my-data.news",
+        "my-project;x.a.b",
+        "-project.a.b",
+        "my-project\n.a.b",
+    ):
         with pytest.raises(BatchLLMError, match="Invalid"):
             check_table(bad)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -211,14 +212,43 @@ def parse_output_schema(
             description=f"output_schema must be a pydantic model class or a mapping of field -> "
             f"type, got {type(value).__name__}."
         )
+    _check_fields(spec, reserved)
+    return spec
+
+
+def _check_fields(spec: OutputSchema, reserved: Sequence[str]) -> None:
+    """Names the warehouse can hold side by side, and bounds a number can be checked against.
+
+    Column names are case-insensitive in DuckDB and BigQuery alike: `Status` is the output's
+    `status` column there, and `label` and `LABEL` would be one column."""
+    taken = {name.lower(): name for name in ("id", *reserved)}
     for f in spec.fields:
         check_identifier(f.name, "output_schema field")
-        if f.name == "id" or f.name in reserved:
+        clash = taken.get(f.name.lower())
+        if clash is not None and clash not in ("id", *reserved):
             raise OutputSchemaError(
-                description=f"output_schema field {f.name!r} clashes with an output column of "
-                f"the same name; rename the field (reserved: id, {', '.join(reserved)})."
+                description=f"output_schema fields {clash!r} and {f.name!r} differ only in case; "
+                "the warehouse's column names ignore case, so they would be one column. Rename "
+                "one of them."
             )
-    return spec
+        if clash is not None:
+            raise OutputSchemaError(
+                description=f"output_schema field {f.name!r} clashes with the output column "
+                f"{clash!r} (column names ignore case); rename the field (reserved: id, "
+                f"{', '.join(reserved)})."
+            )
+        taken[f.name.lower()] = f.name
+        for which in ("minimum", "maximum"):
+            bound = getattr(f, which)
+            if bound is not None and (
+                isinstance(bound, bool)
+                or not isinstance(bound, int | float)
+                or not math.isfinite(bound)
+            ):
+                raise OutputSchemaError(
+                    description=f"output_schema field {f.name!r}: {which} must be a finite "
+                    f"number, got {bound!r}."
+                )
 
 
 def _yaml_field(name: str, value: Any) -> FieldSpec:

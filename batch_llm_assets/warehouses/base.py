@@ -16,8 +16,11 @@ from typing import Any
 
 from ..engine.errors import BatchLLMError
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+# Matched in full (`fullmatch`): `$` alone would also match before a trailing newline.
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+# A Google Cloud project id: 6-30 lowercase letters, digits and hyphens, starting with a letter
+# and not ending with a hyphen. Only this part of a table name may contain '-'.
+PROJECT_ID = re.compile(r"[a-z][a-z0-9-]{4,28}[a-z0-9]")
 
 
 class InvalidIdentifierError(BatchLLMError, ValueError):
@@ -25,7 +28,7 @@ class InvalidIdentifierError(BatchLLMError, ValueError):
 
 
 def check_identifier(name: str, what: str = "column") -> str:
-    if not isinstance(name, str) or not _IDENT.match(name):
+    if not isinstance(name, str) or not _IDENT.fullmatch(name):
         raise InvalidIdentifierError(
             description=f"Invalid {what} name {name!r}: use letters, digits and underscores only "
             "(no quotes, backticks, semicolons, spaces or comments)."
@@ -42,7 +45,7 @@ def check_table(name: str, *, max_parts: int = 3) -> tuple[str, ...]:
         )
     for i, part in enumerate(parts):
         # A three-part name may start with a GCP project id, which has hyphens ("my-project").
-        if i == 0 and len(parts) == 3 and isinstance(part, str) and _PROJECT.match(part):
+        if i == 0 and len(parts) == 3 and isinstance(part, str) and PROJECT_ID.fullmatch(part):
             continue
         check_identifier(part, f"table name part of {name!r}:")
     return parts
