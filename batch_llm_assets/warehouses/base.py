@@ -51,6 +51,25 @@ def check_table(name: str, *, max_parts: int = 3) -> tuple[str, ...]:
     return parts
 
 
+class Columns(dict[str, str]):
+    """Column name -> type, in the table's order and spelling, looked up ignoring case: DuckDB
+    and BigQuery both match column names that way (`Headline` is the column `headline`)."""
+
+    def _key(self, name: object) -> object:
+        if dict.__contains__(self, name) or not isinstance(name, str):
+            return name
+        return next((k for k in self if k.lower() == name.lower()), name)
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, self._key(name))
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, self._key(name))  # type: ignore[call-overload]
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, self._key(name), default)  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
 class SliceFilter:
     """Which rows of the source belong to one partition: a time window, one value, or all."""

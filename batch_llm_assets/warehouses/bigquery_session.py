@@ -29,6 +29,7 @@ from .base import (
     BATCH_STATE_KEY,
     OUTPUT_KEY,
     PROJECT_ID,
+    Columns,
     InvalidIdentifierError,
     OutputTable,
     SliceFilter,
@@ -157,7 +158,7 @@ class BigQuerySession(WarehouseSession):
                 description=f"{what} {table!r} does not exist in BigQuery dataset "
                 f"{ref.project}.{ref.dataset_id}."
             ) from None
-        schema = {f.name: _column_type(f) for f in meta.schema}
+        schema = Columns((f.name, _column_type(f)) for f in meta.schema)
         self._schemas[table] = schema
         return schema
 
