@@ -162,6 +162,32 @@ class SourceRef:
     partition_column: str | None = None
 
 
+class LeaseStore(abc.ABC):
+    """Where partition leases live when runs on several hosts must see them: a shared Redis, or
+    the warehouse itself. A lease is a name -> holder entry that lapses `ttl_s` after its last
+    claim; its holder claims it again every `ttl_s / renewals` seconds."""
+
+    where: str = "the lease store"  # for messages: which server or table (never a password)
+    ttl_s: float
+
+    @abc.abstractmethod
+    def claim(self, name: str, holder: str, *, replacing: str | None = None) -> str | None:
+        """Take or renew the lease for `holder`, atomically, if it is free, lapsed, already
+        `holder`'s or `replacing`'s (a holder known to be dead): None. Else the holder's value,
+        unchanged."""
+
+    @abc.abstractmethod
+    def release(self, name: str, holder: str) -> None:
+        """Give the lease up if `holder` still holds it."""
+
+    def transient(self, exc: BaseException) -> bool:
+        """Whether an error of `claim` is an outage worth waiting out (else: a clear error)."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 (most stores have nothing of their own to close)
+        """Free the store's own connections."""
+
+
 class WarehouseSession(abc.ABC):
     """One connection's worth of the operations a partition run needs."""
 
@@ -176,6 +202,12 @@ class WarehouseSession(abc.ABC):
     then reads on its event loop, which costs less than a reader thread contending with the
     loop for the GIL (measured: 0.56 against 0.82 of the bare engine's rows/s). A remote one
     (BigQuery: a query is a job of seconds) reads in a thread."""
+
+    def lease_store(self, output: str) -> LeaseStore | None:
+        """Where this warehouse keeps the partition leases of `output` when there is no shared
+        Redis: a store every host sees, or None when a local file lock is enough (an embedded
+        database is used from one host)."""
+        return None
 
     @abc.abstractmethod
     def check_source(self, source: SourceRef) -> None:

@@ -44,6 +44,7 @@ from .base import (
 )
 from .bigquery_dml import TYPES as _TYPES
 from .bigquery_dml import merge_sql, run_dml, struct
+from .bigquery_lease import BigQueryLeaseStore
 
 # The REST API's legacy type names -> GoogleSQL names.
 _LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL", "RECORD": "STRUCT"}
@@ -168,6 +169,11 @@ class BigQuerySession(WarehouseSession):
         return self._id_types[table]
 
     # -- the interface -------------------------------------------------------------------------
+    def lease_store(self, output: str) -> BigQueryLeaseStore:
+        """Without a shared Redis the partition leases are rows of a table beside the output."""
+        project, dataset, _ = table_parts(output)
+        return BigQueryLeaseStore(self.client, project or self.client.project, dataset)
+
     def check_source(self, source: SourceRef) -> None:
         columns = self._schema(source.table)
         wanted = [source.id_column, *source.columns]

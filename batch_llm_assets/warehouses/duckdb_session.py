@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import duckdb
@@ -53,11 +53,26 @@ class DuckDBSession(WarehouseSession):
     write_interval_s = 1.0
     reads_on_loop = True
 
-    def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
-        self.conn = conn
+    def __init__(
+        self, conn: duckdb.DuckDBPyConnection | Callable[[], duckdb.DuckDBPyConnection]
+    ) -> None:
+        """`conn`, or a function that opens it at first use: a partition run takes its lease
+        before it touches the database, so a second run of the partition is refused at once
+        instead of waiting on DuckDB's file lock."""
+        self._conn = conn if isinstance(conn, duckdb.DuckDBPyConnection) else None
+        self._connect = None if self._conn is not None else conn
+        self._opening = threading.Lock()
         # Reads stream on their own cursor; lookups and writes share this one from worker
         # threads, and a DuckDB connection must not be used by two threads at once.
         self._lock = threading.Lock()
+
+    @property
+    def conn(self) -> duckdb.DuckDBPyConnection:
+        if self._conn is None:
+            with self._opening:
+                if self._conn is None:
+                    self._conn = self._connect()  # type: ignore[misc]
+        return self._conn
 
     def _described(self, table: str) -> Described:
         """The table as DuckDB resolves the name (case, search path, attached databases)."""
