@@ -135,7 +135,9 @@ def test_two_hosts_on_bigquery_without_redis_one_pays_the_other_is_refused_at_on
     a row in BigQuery, so the second is refused, naming the first, and pays nothing (before: a
     file lock on each host, and both paid)."""
     rows = len(day_ids(PK))
-    fresh_sim.configure(latency_ms=1000, jitter=0.0)  # the first run holds on until told
+    # The first host holds on until told (10 s an answer: 100 s for its 20 rows), however long
+    # the second takes to start on a busy machine.
+    fresh_sim.configure(latency_ms=10_000, jitter=0.0)
     argv_a, env_a = bigquery_host(tmp_path, "a", fresh_sim, bq_endpoint, dataset)
     argv_b, env_b = bigquery_host(tmp_path, "b", fresh_sim, bq_endpoint, dataset)
     log_a = tmp_path / "a.log"
