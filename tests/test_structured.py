@@ -181,7 +181,7 @@ class NanBound(BaseModel):
         ({"Status": "string"}, "'Status' clashes with the output column 'status'"),
         ({"ID": "string"}, "'ID' clashes with the output column 'id'"),
         ({"Partition_Key": "string"}, "clashes with the output column 'partition_key'"),
-        ({"label": "string", "LABEL": "integer"}, "'label' and 'LABEL' differ only in case"),
+        ({"label": "string", "LABEL": "integer"}, "'LABEL' clashes with the field 'label'"),
         # A NaN bound passes no answer (every row paid twice, answer and repair, then failed).
         ({"n": {"type": "number", "minimum": float("nan")}}, "minimum must be a finite number"),
         ({"n": {"type": "number", "maximum": float("-inf")}}, "maximum must be a finite number"),

@@ -217,37 +217,22 @@ def parse_output_schema(
 
 
 def _check_fields(spec: OutputSchema, reserved: Sequence[str]) -> None:
-    """Names the warehouse can hold side by side, and bounds a number can be checked against.
-
-    Column names are case-insensitive in DuckDB and BigQuery alike: `Status` is the output's
-    `status` column there, and `label` and `LABEL` would be one column."""
-    taken = {name.lower(): name for name in ("id", *reserved)}
+    """Names the warehouse can hold side by side (DuckDB and BigQuery compare column names
+    ignoring case: `Status` is the `status` column), and bounds an answer can meet."""
+    taken = {name.lower(): f"the output column {name!r}" for name in ("id", *reserved)}
     for f in spec.fields:
         check_identifier(f.name, "output_schema field")
-        clash = taken.get(f.name.lower())
-        if clash is not None and clash not in ("id", *reserved):
+        if f.name.lower() in taken:
             raise OutputSchemaError(
-                description=f"output_schema fields {clash!r} and {f.name!r} differ only in case; "
-                "the warehouse's column names ignore case, so they would be one column. Rename "
-                "one of them."
+                description=f"output_schema field {f.name!r} clashes with {taken[f.name.lower()]}"
+                f" (column names ignore case); rename it (reserved: id, {', '.join(reserved)})."
             )
-        if clash is not None:
-            raise OutputSchemaError(
-                description=f"output_schema field {f.name!r} clashes with the output column "
-                f"{clash!r} (column names ignore case); rename the field (reserved: id, "
-                f"{', '.join(reserved)})."
-            )
-        taken[f.name.lower()] = f.name
+        taken[f.name.lower()] = f"the field {f.name!r}"
         for which in ("minimum", "maximum"):
-            bound = getattr(f, which)
-            if bound is not None and (
-                isinstance(bound, bool)
-                or not isinstance(bound, int | float)
-                or not math.isfinite(bound)
-            ):
+            if getattr(f, which) is not None and not math.isfinite(getattr(f, which)):
                 raise OutputSchemaError(
                     description=f"output_schema field {f.name!r}: {which} must be a finite "
-                    f"number, got {bound!r}."
+                    f"number, got {getattr(f, which)!r}."
                 )
 
 
