@@ -405,6 +405,32 @@ def test_lease_store_errors_are_told_apart_by_class(error, outage):
     assert RedisLeaseStore("redis://127.0.0.1:1/0").transient(error) is outage
 
 
+def test_a_holder_is_dead_only_when_its_process_is_known_to_be_gone():
+    """Taken over at once only when the holder ran on this machine and its process ended: its
+    pid free, or another process's now (a later start time). Anything else waits for the TTL."""
+    from batch_llm_assets.assets.lease import _process_start, holder_info, holder_is_dead
+
+    me = holder_info("run-me")
+    assert not holder_is_dead(me)  # alive
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = _process_start(child.pid)
+    holder = {**me, "pid": child.pid, "start": started}
+    assert started and not holder_is_dead(holder)
+    child.kill()
+    child.wait()
+    assert holder_is_dead(holder)  # its pid is free
+    assert holder_is_dead({**me, "start": "1"})  # this pid, but a process started since
+    for unknown in (
+        {**holder, "machine": "another-host|boot|pid:[1]"},  # elsewhere: the TTL decides
+        {**holder, "machine": None},
+        {**holder, "start": None},
+        {**holder, "pid": "12"},
+        None,
+        {},
+    ):
+        assert not holder_is_dead(unknown), unknown
+
+
 # -- DuckDB: the lease before DuckDB's own lock ---------------------------------------------------
 def test_a_second_run_on_a_duckdb_file_held_by_a_long_run_is_refused_at_once(fresh_sim, tmp_path):
     """The lease is taken before the database is opened: the second run names the holder at

@@ -90,7 +90,10 @@ def holder_is_dead(holder: dict[str, Any] | None) -> bool:
     has ended (its pid is free, a zombie, or another process's now)."""
     if not holder or not holder.get("machine") or holder.get("machine") != _machine():
         return False
-    return _process_start(holder.get("pid")) != holder.get("start")
+    pid, start = holder.get("pid"), holder.get("start")
+    if not isinstance(start, str) or type(pid) is not int:  # nothing to compare: it may live
+        return False
+    return _process_start(pid) != start
 
 
 def _parse(raw: str | None) -> dict[str, Any] | None:
