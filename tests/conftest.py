@@ -117,7 +117,7 @@ defs = dg.Definitions(assets=[sentiment], resources={{
     "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini",
                        max_concurrency={max_concurrency}),
     "warehouse": DuckDBWarehouse(database="{db}"),
-}})
+}}, executor=dg.in_process_executor)  # the run in the CLI's process: one start-up, not two
 """
 
 

@@ -412,6 +412,22 @@ def test_missing_dataset_table_or_column_is_a_clear_error(fresh_sim, bq_endpoint
     assert fresh_sim.stats().get("received", 0) == 0
 
 
+def test_column_names_are_matched_ignoring_case_as_bigquery_does(fresh_sim, bq_endpoint, dataset):
+    """BigQuery's column names ignore case (its table and dataset names do not, and the tables
+    API resolves those): columns named in another case are read (refused as missing before)."""
+    source = SourceTable(
+        table=f"{dataset}.news_headlines",
+        id_column="ID",
+        partition_column="Published_At",
+        columns=["HEADLINE"],
+    )
+    template = PROMPT.template.replace("{{ headline }}", "{{ HEADLINE }}")
+    a = asset(dataset, source=source, prompt=Prompt(system=PROMPT.system, template=template))
+    result = materialize(a, fresh_sim, bq_endpoint)
+    assert result.success, failure_message(result)
+    assert metadata(result)["partition/rows_ok"] == len(day_ids("2026-11-01"))
+
+
 BAD_NAMES = ["ds.news`s", 'ds."x"', "ds.t; DROP TABLE x", "ds.t` ; DROP TABLE x; --", "a.b.c.d"]
 
 

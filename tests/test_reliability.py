@@ -36,6 +36,7 @@ from .conftest import duckdb_query as query
 pytestmark = pytest.mark.reliability
 
 DAY = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03")
+STEP_TIMEOUT_S = 120  # one subprocess step of a test, on a busy machine
 
 
 def sentiment(**kw):
@@ -77,16 +78,18 @@ def test_five_kills_lose_nothing_duplicate_nothing_and_resend_under_one_percent(
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.time() + 120
+        # Each step waits for a count, with its own time limit (a busy machine starts a
+        # Dagster process in tens of seconds, not the 3 s of an idle one).
+        deadline = time.monotonic() + STEP_TIMEOUT_S
         while proc.poll() is None and fresh_sim.stats().get("answered", 0) < target:
-            assert time.time() < deadline
-            time.sleep(0.02)
+            assert time.monotonic() < deadline, "no answers within the step's time limit"
+            time.sleep(0.05)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             kills += 1
         proc.wait()
     assert kills == 5
-    final = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert final.returncode == 0, final.stderr[-2000:]
     assert query(
         db, "SELECT count(*), count(DISTINCT id), min(id), max(id) FROM news_sentiment"
@@ -176,20 +179,26 @@ def _run_batch(resource, n, out):
 
 
 def _restart_mid_run(fresh_sim, start, stop):
-    """60 requests/s for ~6 s; the limiter's server is down for 2 s in the middle."""
+    """60 requests/s for ~6 s; the limiter's server is down for 2 s from the 120th request."""
     fresh_sim.configure(rpm=3600, bucket_s=1.0)
     url = start()
     resource = llm(
         fresh_sim, rpm=3600, burst_s=0.5, redis_url=url, job_key="outage", max_attempts=3
     )
     results: list = []
-    worker = threading.Thread(target=_run_batch, args=(resource, 360, results))
+    worker = threading.Thread(target=_run_batch, args=(resource, 360, results), daemon=True)
     worker.start()
-    time.sleep(2.0)
+    # The outage comes a third of the way in, counted at the simulator (on a busy machine the
+    # engine's start alone can take longer than the 2 s this once slept).
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while fresh_sim.stats().get("received", 0) < 120:
+        assert worker.is_alive() and time.monotonic() < deadline, "the batch did not get going"
+        time.sleep(0.05)
     stop()
-    time.sleep(2.0)
+    time.sleep(2.0)  # the outage itself
     start()
-    worker.join(timeout=120)
+    worker.join(timeout=STEP_TIMEOUT_S)
+    assert not worker.is_alive(), "the batch did not end within the step's time limit"
     assert len(results) == 360 and all(r.ok for r in results), {r.error_class for r in results}
     stats = fresh_sim.stats()
     # Even across the restart the limiter stayed within its rate plus a burst no larger than
@@ -415,7 +424,11 @@ def test_a_planted_key_appears_in_no_log_metadata_exception_or_row(fresh_sim, tm
 # -- injection ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ['t"; DROP TABLE x; --', "t`x", "t' OR 1=1", "t /* c */", "a;b"])
+@pytest.mark.parametrize(
+    # "t\n": a pattern anchored with `$` would take it (`$` matches before a final newline).
+    "name",
+    ['t"; DROP TABLE x; --', "t`x", "t' OR 1=1", "t /* c */", "a;b", "t\n"],
+)
 def test_names_that_carry_sql_are_refused(name):
     with pytest.raises(BatchLLMError, match="Invalid"):
         sentiment(
@@ -520,6 +533,12 @@ def test_a_bigquery_project_id_is_the_only_place_a_hyphen_passes():
     from batch_llm_assets.warehouses.base import check_table
 
     assert check_table("my-project.research.news") == ("my-project", "research", "news")
-    for bad in ("my-project.news", "proj.my-data.news", "my-project;x.a.b", "-project.a.b"):
+    for bad in (
+        "my-project.news",
+        "proj.my-data.news",
+        "my-project;x.a.b",
+        "-project.a.b",
+        "my-project\n.a.b",
+    ):
         with pytest.raises(BatchLLMError, match="Invalid"):
             check_table(bad)

@@ -127,6 +127,33 @@ def test_the_sensor_sweeps_any_number_of_tables_in_bounded_pages(tmp_path):
         assert json.loads(cursor)["sweeps"] >= 1
 
 
+def test_tables_whose_names_a_run_cannot_read_are_skipped_with_one_warning_each(tmp_path, capfd):
+    """A table name a run would refuse (a hyphen, a space, a leading digit, a non-ASCII letter)
+    is not made a partition whose every run fails: it is skipped, warned about once."""
+    path = str(tmp_path / "odd.duckdb")
+    good = ["headlines_1", "headlines_2"]
+    odd = ["headlines-3", "headlines 4", "headlines_5é", "9headlines"]
+    with duckdb.connect(path) as con:
+        con.execute("CREATE SCHEMA incoming")
+        for name in good + odd:
+            con.execute(f'CREATE TABLE incoming."{name}" (id INT, headline VARCHAR)')
+    sensor = build_new_input_tables_sensor(
+        asset=table_asset(), dataset="incoming", table_pattern=r".*headlines.*"
+    )
+    with dg.instance_for_test() as instance:
+        first = tick(sensor, instance, path)
+        assert sorted(r.partition_key for r in first.run_requests) == good
+        instance.add_dynamic_partitions("input_tables", good)
+        again = tick(sensor, instance, path, cursor=first.cursor)
+        assert not again.run_requests
+    # The sensor context's log writes to the console (stderr).
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "Skipped table" in line]
+    for name in odd:  # one warning each, over both ticks, naming the table and the rule
+        assert sum(repr(name) in w for w in warnings) == 1, (name, warnings)
+    assert len(warnings) == len(odd)
+    assert all("letters, digits and underscores" in w for w in warnings)
+
+
 def test_a_new_partition_reads_its_whole_table(incoming, fresh_sim):
     asset = table_asset()
     with dg.instance_for_test() as instance:

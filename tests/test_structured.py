@@ -163,6 +163,10 @@ def test_python_and_yaml_forms_give_one_strict_schema():
     assert parse_output_schema(SENTIMENT).strict_ok
 
 
+class NanBound(BaseModel):
+    score: float = Field(ge=float("nan"))
+
+
 @pytest.mark.parametrize(
     "schema, message",
     [
@@ -171,8 +175,19 @@ def test_python_and_yaml_forms_give_one_strict_schema():
         ({"n": {"type": "number", "minimum": 2, "maximum": 1}}, "minimum is above maximum"),
         ({"n": {"type": "string", "minimum": 0}}, "minimum applies to integer/number only"),
         ({"xs": {"type": "list", "items": "object"}}, "a list needs items"),
-        ({"status": "string"}, "'status' clashes with an output column"),
+        ({"status": "string"}, "'status' clashes with the output column 'status'"),
+        # Column names ignore case in DuckDB and BigQuery: refused here, not at run time with
+        # the warehouse's raw error.
+        ({"Status": "string"}, "'Status' clashes with the output column 'status'"),
+        ({"ID": "string"}, "'ID' clashes with the output column 'id'"),
+        ({"Partition_Key": "string"}, "clashes with the output column 'partition_key'"),
+        ({"label": "string", "LABEL": "integer"}, "'LABEL' clashes with the field 'label'"),
+        # A NaN bound passes no answer (every row paid twice, answer and repair, then failed).
+        ({"n": {"type": "number", "minimum": float("nan")}}, "minimum must be a finite number"),
+        ({"n": {"type": "number", "maximum": float("-inf")}}, "maximum must be a finite number"),
+        (NanBound, "minimum must be a finite number, got nan"),
         ({"bad name": "string"}, "Invalid output_schema field name"),
+        ({"label\n": "string"}, "Invalid output_schema field name"),  # matched in full
         ({}, "output_schema has no fields"),
     ],
 )

@@ -165,14 +165,14 @@ def test_chunks_are_written_through_arrow_with_the_same_values_as_through_pandas
             result_row(2, key, "failed", error="x", latency_ms=3, n=None, flag=None, tags=None),
         ]
 
-    assert ds._arrow_table(out, rows("a")).num_rows == 2  # ordinary rows take the Arrow path
+    assert ds.arrow_table(out, rows("a")).num_rows == 2  # ordinary rows take the Arrow path
     s.write_results(out, rows("a"))
-    real = ds._arrow_table
-    ds._arrow_table = None  # calling it fails: the pandas path
+    real = ds.arrow_table
+    ds.arrow_table = None  # calling it fails: the pandas path
     try:
         s.write_results(out, rows("b"))
     finally:
-        ds._arrow_table = real
+        ds.arrow_table = real
     cols = ", ".join(c for c in out.names[2:] if c != "request_hash")  # hash names the key
     by_key = {
         k: con.execute(
@@ -203,10 +203,16 @@ def test_an_old_table_that_cannot_be_rekeyed_is_left_as_it_was(con):
 
 def test_a_table_with_another_key_is_refused(con):
     con.execute(
-        "CREATE TABLE out (id BIGINT, partition_key VARCHAR, PRIMARY KEY (id, partition_key))"
+        "CREATE TABLE out (id BIGINT, partition_key VARCHAR, model VARCHAR, "
+        "PRIMARY KEY (id, model))"
     )
-    with pytest.raises(BatchLLMError, match=r"primary key \['id', 'partition_key'\].*PRIMARY KEY"):
+    with pytest.raises(BatchLLMError, match=r"primary key \['id', 'model'\].*PRIMARY KEY"):
         DuckDBSession(con).ensure_output(output_table("out"), SRC)
+    # The same two columns in the other order are the same key: taken as it is.
+    con.execute(
+        "CREATE TABLE out2 (id BIGINT, partition_key VARCHAR, PRIMARY KEY (id, partition_key))"
+    )
+    DuckDBSession(con).ensure_output(output_table("out2"), SRC)
 
 
 def test_new_output_columns_are_added_and_changed_types_refused(con):

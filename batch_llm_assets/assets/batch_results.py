@@ -278,6 +278,7 @@ def materialize_batch_partition(
                 run_id=context.run_id,
                 lock_dir=lock_dir,
                 redis_url=llm.redis_url,
+                store=session.lease_store(output),
             ):
                 stats = run.run()
             summary = session.partition_summary(output, partition_key)

@@ -329,6 +329,7 @@ class PartitionRun:
             run_id=self.run_id,
             lock_dir=self.journal_dir,
             redis_url=self.llm.redis_url,
+            store=self.db.lease_store(self.spec.output.name),
             ttl_s=self.lease_ttl_s,
         ) as lease:
             self.lease = lease

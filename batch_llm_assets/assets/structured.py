@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -211,14 +212,28 @@ def parse_output_schema(
             description=f"output_schema must be a pydantic model class or a mapping of field -> "
             f"type, got {type(value).__name__}."
         )
+    _check_fields(spec, reserved)
+    return spec
+
+
+def _check_fields(spec: OutputSchema, reserved: Sequence[str]) -> None:
+    """Names the warehouse can hold side by side (DuckDB and BigQuery compare column names
+    ignoring case: `Status` is the `status` column), and bounds an answer can meet."""
+    taken = {name.lower(): f"the output column {name!r}" for name in ("id", *reserved)}
     for f in spec.fields:
         check_identifier(f.name, "output_schema field")
-        if f.name == "id" or f.name in reserved:
+        if f.name.lower() in taken:
             raise OutputSchemaError(
-                description=f"output_schema field {f.name!r} clashes with an output column of "
-                f"the same name; rename the field (reserved: id, {', '.join(reserved)})."
+                description=f"output_schema field {f.name!r} clashes with {taken[f.name.lower()]}"
+                f" (column names ignore case); rename it (reserved: id, {', '.join(reserved)})."
             )
-    return spec
+        taken[f.name.lower()] = f"the field {f.name!r}"
+        for which in ("minimum", "maximum"):
+            if getattr(f, which) is not None and not math.isfinite(getattr(f, which)):
+                raise OutputSchemaError(
+                    description=f"output_schema field {f.name!r}: {which} must be a finite "
+                    f"number, got {getattr(f, which)!r}."
+                )
 
 
 def _yaml_field(name: str, value: Any) -> FieldSpec:

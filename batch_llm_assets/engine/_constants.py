@@ -111,3 +111,14 @@ SNAPSHOT_LAG_S = 0.002
 # The limiter is told the median of this many latest answers' remaining (`RemainingViews`).
 REMAINING_ANSWERS = 15
 REMAINING_WITHIN_S = 0.25  # of those sent within this much of the answer's own send
+
+# Partition leases (assets/lease.py): one run per asset partition at a time. A lease lives
+# LEASE_TTL_S past its holder's last renewal (renewed LEASE_RENEWALS_PER_TTL times a TTL), so a
+# holder that died on another host is taken over that long after its death, one that died on
+# this machine at once. Without a shared Redis, on BigQuery, the lease is a row of a table and
+# each renewal a DML statement (BigQuery runs two on a table at a time): renewed less often.
+LEASE_TTL_S = 5.0
+LEASE_WAREHOUSE_TTL_S = 60.0
+LEASE_RENEWALS_PER_TTL = 5
+# How long taking a lease waits out an unreachable lease store before the run fails.
+LEASE_TAKE_OUTAGE_S = 30.0

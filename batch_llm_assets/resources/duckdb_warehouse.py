@@ -6,8 +6,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+import duckdb
 from dagster_duckdb import DuckDBResource
 
+from ..engine.errors import BatchLLMError
 from ..warehouses.base import Warehouse
 from ..warehouses.duckdb_session import DuckDBSession
 
@@ -20,8 +22,21 @@ class DuckDBWarehouse(DuckDBResource, Warehouse):
 
     @contextlib.contextmanager
     def session(self) -> Iterator[DuckDBSession]:
-        with self.get_connection() as conn:
-            try:
-                yield DuckDBSession(conn)
-            finally:
-                conn.close()  # get_connection does not close it when the body raises
+        """A session whose connection opens at its first use (after the partition's lease)."""
+        with contextlib.ExitStack() as stack:
+
+            def connect() -> duckdb.DuckDBPyConnection:
+                try:
+                    conn = stack.enter_context(self.get_connection())
+                except duckdb.Error as exc:
+                    raise BatchLLMError(
+                        description=f"Could not open DuckDB file {self.database!r}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
+                        "DuckDB takes one writing process per file: give the assets on this "
+                        "file one concurrency pool with a limit of 1 (docs/deployment.md), so "
+                        "their runs queue instead."
+                    ) from None
+                stack.callback(conn.close)  # get_connection does not close it on an error
+                return conn
+
+            yield DuckDBSession(connect)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import dagster as dg
 
 from ..engine.errors import BatchLLMError
-from ..warehouses.base import Warehouse, check_identifier
+from ..warehouses.base import InvalidIdentifierError, Warehouse, check_identifier
 
 DEFAULT_MAX_TABLES_PER_TICK = 25
 DEFAULT_TABLES_PER_PAGE = 1000
+# Unreadable table names the cursor remembers, so each is warned about once, not every tick.
+UNREADABLE_REMEMBERED = 200
 
 
 @dataclass
@@ -26,6 +28,8 @@ class _Cursor:
     tables_seen: int = 0  # matching tables seen so far in this sweep
     sweeps: int = 0  # sweeps completed
     last_added: str | None = None
+    # Matching tables whose names a run could not read, already warned about (the latest few).
+    unreadable: list[str] = field(default_factory=list)
 
     @classmethod
     def parse(cls, raw: str | None) -> _Cursor:
@@ -102,6 +106,8 @@ def build_new_input_tables_sensor(
             examined += 1
             if not pattern.fullmatch(table):
                 continue
+            if not _readable(context, cursor, dataset, table):
+                continue
             cursor.tables_seen += 1
             if not context.instance.has_dynamic_partition(partitions_name, table):
                 new.append(table)
@@ -125,3 +131,21 @@ def build_new_input_tables_sensor(
         )
 
     return _sensor
+
+
+def _readable(
+    context: dg.SensorEvaluationContext, cursor: _Cursor, dataset: str, table: str
+) -> bool:
+    """Whether a run could read `table` by its name (the names a run accepts: letters, digits,
+    underscores). Another name would make a partition whose every run fails: it is skipped, with
+    one warning per table."""
+    try:
+        check_identifier(table, "table")
+    except InvalidIdentifierError as exc:
+        if table not in cursor.unreadable:
+            context.log.warning(
+                f"Skipped table {table!r} of {dataset}: no run could read it. {exc.description}"
+            )
+            cursor.unreadable = [*cursor.unreadable, table][-UNREADABLE_REMEMBERED:]
+        return False
+    return True

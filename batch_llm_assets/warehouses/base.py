@@ -16,8 +16,11 @@ from typing import Any
 
 from ..engine.errors import BatchLLMError
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+# Matched in full (`fullmatch`): `$` alone would also match before a trailing newline.
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+# A Google Cloud project id: 6-30 lowercase letters, digits and hyphens, starting with a letter
+# and not ending with a hyphen. Only this part of a table name may contain '-'.
+PROJECT_ID = re.compile(r"[a-z][a-z0-9-]{4,28}[a-z0-9]")
 
 
 class InvalidIdentifierError(BatchLLMError, ValueError):
@@ -25,7 +28,7 @@ class InvalidIdentifierError(BatchLLMError, ValueError):
 
 
 def check_identifier(name: str, what: str = "column") -> str:
-    if not isinstance(name, str) or not _IDENT.match(name):
+    if not isinstance(name, str) or not _IDENT.fullmatch(name):
         raise InvalidIdentifierError(
             description=f"Invalid {what} name {name!r}: use letters, digits and underscores only "
             "(no quotes, backticks, semicolons, spaces or comments)."
@@ -42,10 +45,29 @@ def check_table(name: str, *, max_parts: int = 3) -> tuple[str, ...]:
         )
     for i, part in enumerate(parts):
         # A three-part name may start with a GCP project id, which has hyphens ("my-project").
-        if i == 0 and len(parts) == 3 and isinstance(part, str) and _PROJECT.match(part):
+        if i == 0 and len(parts) == 3 and isinstance(part, str) and PROJECT_ID.fullmatch(part):
             continue
         check_identifier(part, f"table name part of {name!r}:")
     return parts
+
+
+class Columns(dict[str, str]):
+    """Column name -> type, in the table's order and spelling, looked up ignoring case: DuckDB
+    and BigQuery both match column names that way (`Headline` is the column `headline`)."""
+
+    def _key(self, name: object) -> object:
+        if dict.__contains__(self, name) or not isinstance(name, str):
+            return name
+        return next((k for k in self if k.lower() == name.lower()), name)
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, self._key(name))
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, self._key(name))  # type: ignore[call-overload]
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, self._key(name), default)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -140,6 +162,32 @@ class SourceRef:
     partition_column: str | None = None
 
 
+class LeaseStore(abc.ABC):
+    """Where partition leases live when runs on several hosts must see them: a shared Redis, or
+    the warehouse itself. A lease is a name -> holder entry that lapses `ttl_s` after its last
+    claim; its holder claims it again every `ttl_s / renewals` seconds."""
+
+    where: str = "the lease store"  # for messages: which server or table (never a password)
+    ttl_s: float
+
+    @abc.abstractmethod
+    def claim(self, name: str, holder: str, *, replacing: str | None = None) -> str | None:
+        """Take or renew the lease for `holder`, atomically, if it is free, lapsed, already
+        `holder`'s or `replacing`'s (a holder known to be dead): None. Else the holder's value,
+        unchanged."""
+
+    @abc.abstractmethod
+    def release(self, name: str, holder: str) -> None:
+        """Give the lease up if `holder` still holds it."""
+
+    def transient(self, exc: BaseException) -> bool:
+        """Whether an error of `claim` is an outage worth waiting out (else: a clear error)."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 (most stores have nothing of their own to close)
+        """Free the store's own connections."""
+
+
 class WarehouseSession(abc.ABC):
     """One connection's worth of the operations a partition run needs."""
 
@@ -154,6 +202,12 @@ class WarehouseSession(abc.ABC):
     then reads on its event loop, which costs less than a reader thread contending with the
     loop for the GIL (measured: 0.56 against 0.82 of the bare engine's rows/s). A remote one
     (BigQuery: a query is a job of seconds) reads in a thread."""
+
+    def lease_store(self, output: str) -> LeaseStore | None:
+        """Where this warehouse keeps the partition leases of `output` when there is no shared
+        Redis: a store every host sees, or None when a local file lock is enough (an embedded
+        database is used from one host)."""
+        return None
 
     @abc.abstractmethod
     def check_source(self, source: SourceRef) -> None:

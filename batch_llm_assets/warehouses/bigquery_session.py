@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator, Sequence
 from datetime import UTC
 from typing import Any
@@ -29,6 +28,8 @@ from .base import (
     BATCH_STATE_COLUMNS,
     BATCH_STATE_KEY,
     OUTPUT_KEY,
+    PROJECT_ID,
+    Columns,
     InvalidIdentifierError,
     OutputTable,
     SliceFilter,
@@ -43,10 +44,7 @@ from .base import (
 )
 from .bigquery_dml import TYPES as _TYPES
 from .bigquery_dml import merge_sql, run_dml, struct
-
-# A Google Cloud project id: 6-30 characters, lowercase letters, digits and hyphens, starting with
-# a letter and not ending with a hyphen. Only this part of a table name may contain '-'.
-_PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+from .bigquery_lease import BigQueryLeaseStore
 
 # The REST API's legacy type names -> GoogleSQL names.
 _LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL", "RECORD": "STRUCT"}
@@ -71,7 +69,7 @@ LOOKUP_MAX_IDS = 10_000
 
 
 def check_project(project: str) -> str:
-    if not isinstance(project, str) or not _PROJECT.match(project):
+    if not isinstance(project, str) or not PROJECT_ID.fullmatch(project):
         raise InvalidIdentifierError(
             description=f"Invalid BigQuery project id {project!r}: 6-30 lowercase letters, "
             "digits and hyphens, starting with a letter (no quotes, backticks or semicolons)."
@@ -161,7 +159,7 @@ class BigQuerySession(WarehouseSession):
                 description=f"{what} {table!r} does not exist in BigQuery dataset "
                 f"{ref.project}.{ref.dataset_id}."
             ) from None
-        schema = {f.name: _column_type(f) for f in meta.schema}
+        schema = Columns((f.name, _column_type(f)) for f in meta.schema)
         self._schemas[table] = schema
         return schema
 
@@ -171,6 +169,11 @@ class BigQuerySession(WarehouseSession):
         return self._id_types[table]
 
     # -- the interface -------------------------------------------------------------------------
+    def lease_store(self, output: str) -> BigQueryLeaseStore:
+        """Without a shared Redis the partition leases are rows of a table beside the output."""
+        project, dataset, _ = table_parts(output)
+        return BigQueryLeaseStore(self.client, project or self.client.project, dataset)
+
     def check_source(self, source: SourceRef) -> None:
         columns = self._schema(source.table)
         wanted = [source.id_column, *source.columns]

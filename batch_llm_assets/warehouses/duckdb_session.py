@@ -10,18 +10,18 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import duckdb
 import pandas as pd
-import pyarrow as pa
 
 from ..engine.errors import BatchLLMError
 from .base import (
     BATCH_STATE_COLUMNS,
     BATCH_STATE_KEY,
     OUTPUT_KEY,
+    Columns,
     OutputTable,
     SliceFilter,
     SourceRef,
@@ -33,116 +33,63 @@ from .base import (
     utc_days,
     utc_window,
 )
+from .duckdb_names import Described, describe, missing_table
+from .duckdb_names import quoted as _qt
+from .duckdb_types import SPELLED as _SPELLED
+from .duckdb_types import TYPES as _TYPES
+from .duckdb_types import arrow_table, frame
 
-_NULLABLE = {"int": "Int64", "float": "Float64", "bool": "boolean"}
-_ARROW = {
-    "string": pa.string(),
-    "int": pa.int64(),
-    "float": pa.float64(),
-    "timestamp": pa.timestamp("us", tz="UTC"),
-    "bool": pa.bool_(),
-    "json": pa.string(),  # JSON text; DuckDB casts it to its JSON type
-}
-_SCALAR_TYPES = {
-    "string": "VARCHAR",
-    "int": "BIGINT",
-    "float": "DOUBLE",
-    "timestamp": "TIMESTAMPTZ",
-    "bool": "BOOLEAN",
-    "json": "JSON",  # typed outputs: an object field, queryable with ->> and json_extract
-}
-# Typed outputs: a list of scalars is a DuckDB LIST (list<string> -> VARCHAR[]).
-_TYPES = {
-    **_SCALAR_TYPES,
-    **{f"list<{k}>": f"{_SCALAR_TYPES[k]}[]" for k in ("string", "int", "float", "bool")},
-}
-# information_schema spells some types out.
-_SPELLED = {"TIMESTAMPTZ": "TIMESTAMP WITH TIME ZONE"}
 _NAIVE_TIMESTAMPS = frozenset({"TIMESTAMP", "TIMESTAMP_NS", "TIMESTAMP_MS", "TIMESTAMP_S"})
 _FLOATS = frozenset({"FLOAT", "DOUBLE", "REAL"})
 # An ISO-8601 string that ends in a UTC offset (Z, +05:30, -0500, +01) after a time of day.
 _HAS_OFFSET = r"[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?\s*([Zz]|[+-]\d{2}(:?\d{2})?)$"
 
 
-def _arrow_table(output: OutputTable, rows: list[dict[str, Any]]) -> pa.Table:
-    """The rows as an Arrow table of the output's types. Python values are converted here, in
-    one pass per column; DuckDB then scans Arrow without holding the GIL, where a pandas frame
-    of Python objects makes it convert each value under the GIL, stalling the event loop that
-    receives the answers (measured: 1.5 ms of GIL per 1,000 rows here against about 19)."""
-    arrays = [pa.array([r["id"] for r in rows])]  # the id keeps its inferred type
-    for col, kind in output.columns:
-        arrays.append(pa.array([r.get(col) for r in rows], type=_arrow_type(kind)))
-    return pa.Table.from_arrays(arrays, names=output.names)
-
-
-def _arrow_type(kind: str) -> pa.DataType:
-    if kind.startswith("list<"):
-        return pa.list_(_arrow_type(kind[5:-1]))
-    return _ARROW[kind]
-
-
-def _frame(output: OutputTable, rows: list[dict[str, Any]]) -> pd.DataFrame:
-    frame = pd.DataFrame(rows, columns=output.names)
-    for col, kind in output.columns:  # nullable dtypes: a missing number is NULL, not NaN
-        if kind in _NULLABLE:
-            frame[col] = frame[col].astype(_NULLABLE[kind])
-    return frame
-
-
 def _q(name: str) -> str:
     return '"' + check_identifier(name) + '"'
-
-
-def _qt(table: str) -> str:
-    return ".".join('"' + p + '"' for p in check_table(table))
 
 
 class DuckDBSession(WarehouseSession):
     write_interval_s = 1.0
     reads_on_loop = True
 
-    def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
-        self.conn = conn
+    def __init__(
+        self, conn: duckdb.DuckDBPyConnection | Callable[[], duckdb.DuckDBPyConnection]
+    ) -> None:
+        """`conn`, or a function that opens it at first use: a partition run takes its lease
+        before it touches the database, so a second run of the partition is refused at once
+        instead of waiting on DuckDB's file lock."""
+        self._conn = conn if isinstance(conn, duckdb.DuckDBPyConnection) else None
+        self._connect = None if self._conn is not None else conn
+        self._opening = threading.Lock()
         # Reads stream on their own cursor; lookups and writes share this one from worker
         # threads, and a DuckDB connection must not be used by two threads at once.
         self._lock = threading.Lock()
 
-    def _columns(self, table: str) -> dict[str, str]:
-        """Column name -> type, in the table's order ({} if there is no such table)."""
-        parts = check_table(table)
-        name, schema = parts[-1], (parts[-2] if len(parts) > 1 else None)
-        sql = "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ?"
-        params: list[Any] = [name]
-        if schema:
-            sql += " AND table_schema = ?"
-            params.append(schema)
-        return dict(self.conn.execute(sql + " ORDER BY ordinal_position", params).fetchall())
+    @property
+    def conn(self) -> duckdb.DuckDBPyConnection:
+        if self._conn is None:
+            with self._opening:
+                if self._conn is None:
+                    self._conn = self._connect()  # type: ignore[misc]
+        return self._conn
 
-    def _primary_key(self, table: str) -> list[str]:
-        parts = check_table(table)
-        sql = (
-            "SELECT constraint_column_names FROM duckdb_constraints() "
-            "WHERE constraint_type = 'PRIMARY KEY' AND table_name = ?"
-        )
-        params: list[Any] = [parts[-1]]
-        if len(parts) > 1:
-            sql += " AND schema_name = ?"
-            params.append(parts[-2])
-        row = self.conn.execute(sql, params).fetchone()
-        return list(row[0]) if row else []
+    def _described(self, table: str) -> Described:
+        """The table as DuckDB resolves the name (case, search path, attached databases)."""
+        return describe(self.conn, table)
 
     def check_source(self, source: SourceRef) -> None:
-        columns = self._columns(source.table)
-        if not columns:
-            raise BatchLLMError(description=f"Source table {source.table!r} does not exist.")
+        found = self._described(source.table)
+        if not found.columns:
+            raise missing_table(self.conn, source.table, "Source table")
         wanted = [source.id_column, *source.columns]
         if source.partition_column:
             wanted.append(source.partition_column)
-        missing = [c for c in wanted if c not in columns]
+        missing = [c for c in wanted if c not in found.columns]
         if missing:
             raise BatchLLMError(
                 description=f"Source table {source.table!r} has no column(s) {missing}; "
-                f"it has {sorted(columns)}."
+                f"it has {sorted(found.columns)}."
             )
 
     def _where(self, source: SourceRef, where: SliceFilter) -> tuple[str, list[Any]]:
@@ -152,7 +99,7 @@ class DuckDBSession(WarehouseSession):
         col = _q(column)
         if where.kind == "equals":
             return f"{col} = ?", [where.value]
-        kind = self._columns(source.table).get(column, "")
+        kind = self._described(source.table).columns.get(column, "")
         start, end = utc_window(where)
         if kind in _NAIVE_TIMESTAMPS:  # wall-clock values, read as UTC
             return f"{col} >= CAST(? AS TIMESTAMP) AND {col} < CAST(? AS TIMESTAMP)", [start, end]
@@ -181,7 +128,7 @@ class DuckDBSession(WarehouseSession):
         idc = _q(source.id_column)
         table = _qt(source.table)
         bad = f"{idc} IS NULL"
-        if self._columns(source.table).get(source.id_column) in _FLOATS:
+        if self._described(source.table).columns.get(source.id_column) in _FLOATS:
             bad = f"({bad} OR isnan({idc}) OR isinf({idc}))"
         rows, bad_ids = self.conn.execute(
             f"SELECT count(*), count(*) FILTER (WHERE {bad}) FROM {table} WHERE {cond}",
@@ -221,9 +168,10 @@ class DuckDBSession(WarehouseSession):
         table = output.name
         parts = check_table(table)
         with self._lock:
-            existing = self._columns(table)
+            found = self._described(table)
+            existing = found.columns
             if not existing:
-                id_type = self._columns(source.table).get(source.id_column, "VARCHAR")
+                id_type = self._described(source.table).columns.get(source.id_column) or "VARCHAR"
                 if len(parts) > 1:
                     schema = ".".join(_q(p) for p in parts[:-1])
                     self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
@@ -235,12 +183,13 @@ class DuckDBSession(WarehouseSession):
                 )
                 return
             self._check_types(table, existing, output)
-            key = self._primary_key(table)
-            if key == ["id"]:
+            key = found.key
+            if key == {"id"}:
                 self._rekey(table, existing)
-            elif key != list(OUTPUT_KEY):
+            elif key != set(OUTPUT_KEY):
                 raise BatchLLMError(
-                    description=f"Output table {table!r} has primary key {key or 'none'}; "
+                    description=f"Output table {table!r} has primary key "
+                    f"{sorted(key) or 'none'}; "
                     f"results are keyed by {list(OUTPUT_KEY)}. Rename or drop it (a new one is "
                     "created), or rebuild it with PRIMARY KEY (partition_key, id)."
                 )
@@ -251,7 +200,7 @@ class DuckDBSession(WarehouseSession):
                     )
 
     @staticmethod
-    def _check_types(table: str, existing: dict[str, str], output: OutputTable) -> None:
+    def _check_types(table: str, existing: Columns, output: OutputTable) -> None:
         if "id" not in existing:
             raise BatchLLMError(description=f"Output table {table!r} has no id column.")
         wrong = []
@@ -267,7 +216,7 @@ class DuckDBSession(WarehouseSession):
                 "columns."
             )
 
-    def _rekey(self, table: str, existing: dict[str, str]) -> None:
+    def _rekey(self, table: str, existing: Columns) -> None:
         """Rebuild a table keyed by id alone with the (partition_key, id) key, atomically."""
         if "partition_key" not in existing:
             raise BatchLLMError(
@@ -324,9 +273,9 @@ class DuckDBSession(WarehouseSession):
         # One source row per key: an upsert may not touch the same row twice in one statement.
         latest = list({(row.get("partition_key"), row["id"]): row for row in rows}.values())
         try:
-            data: Any = _arrow_table(output, latest)
+            data: Any = arrow_table(output, latest)
         except Exception:  # a value Arrow will not take as typed: pandas, DuckDB casts it
-            data = _frame(output, latest)
+            data = frame(output, latest)
         names = ", ".join(["id", *(_q(c) for c, _ in output.columns)])
         self.conn.register("_bla_results", data)
         try:
@@ -369,14 +318,17 @@ class DuckDBSession(WarehouseSession):
     def list_tables_page(self, dataset: str, after: str | None, limit: int) -> list[str]:
         check_identifier(dataset, "dataset (schema)")
         with self._lock:
+            # The current database's schema of that name, matched as DuckDB matches names.
+            here = "catalog_name = current_database() AND lower(schema_name) = lower(?)"
             exists = self.conn.execute(
-                "SELECT count(*) FROM information_schema.schemata WHERE schema_name = ?", [dataset]
+                f"SELECT count(*) FROM information_schema.schemata WHERE {here}", [dataset]
             ).fetchone()[0]
             if not exists:
                 raise BatchLLMError(description=f"Dataset (schema) {dataset!r} does not exist.")
             rows = self.conn.execute(
-                "SELECT table_name FROM information_schema.tables WHERE table_schema = ? "
-                "AND table_name > ? ORDER BY table_name LIMIT ?",
+                "SELECT table_name FROM information_schema.tables WHERE table_catalog = "
+                "current_database() AND lower(table_schema) = lower(?) AND table_name > ? "
+                "ORDER BY table_name LIMIT ?",
                 [dataset, after or "", limit],
             ).fetchall()
         return [r[0] for r in rows]
@@ -410,7 +362,7 @@ class DuckDBSession(WarehouseSession):
     ) -> list[dict[str, Any]]:
         names = [c for c, _ in BATCH_STATE_COLUMNS]
         with self._lock:
-            if not self._columns(table):
+            if not self._described(table).columns:
                 return []
             sql = f"SELECT {', '.join(_q(c) for c in names)} FROM {_qt(table)} WHERE asset = ?"
             params: list[Any] = [asset]

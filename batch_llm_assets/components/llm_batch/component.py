@@ -245,7 +245,7 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
             )
         notes = self.notifications
         if notes is not None:
-            if not _ENV_NAME.match(notes.webhook_url_env):
+            if not _ENV_NAME.fullmatch(notes.webhook_url_env):
                 fail(  # the value is not echoed: it may be the secret URL itself
                     "notifications.webhook_url_env",
                     "must be the name of an environment variable (letters, digits, "
