@@ -163,7 +163,7 @@ class BatchAPI:
         }
 
     async def file_info(self, request: web.Request) -> web.Response:
-        denied = self.sim._auth_error(request)
+        denied = self.sim.auth_error(request)
         if denied is not None:
             return denied
         file_id = request.match_info["file_id"]
