@@ -21,11 +21,20 @@ LATENCY = {"latency_ms": 20.0, "latency_per_token_ms": 0.2}  # the simulator's
 RPS = (3.0, 150.0)  # binding rate, in requests per second
 MAX_BURST = 200  # requests the provider admits at once, at most
 TARGET_S = (6.0, 12.0)
-MAX_IDEAL_S = 80.0
+# One provider in LONG_EVERY gets a job of LONG_TARGET_S instead: more than a minute's worth of
+# its limit, so the configured ceiling (a minute's total) is judged over whole minutes.
+LONG_EVERY = 5
+LONG_TARGET_S = (65.0, 72.0)
+# The perfect client paces at min(configured, true) with the engine's default burst.
+PACED_BURST_S = 0.5
+MAX_IDEAL_S = 80.0  # a provider whose job would take longer is drawn again
 RATIO = (0.7, 1.3)
 SLACK = 3.0  # the limit that does not bind, over the one that does
 CEILING_S = 60.0  # the configured limit is per minute: at most that much in any 60 s
 MAX_PROMPTS = 4000
+# At least this many requests per job: below it one 429 is over 1 % of the job, finer than
+# the 429 share can be read (the target is <= 1.5 % in any provider).
+MIN_REQUESTS = 100
 MAX_PROCESSES = 4
 
 
@@ -119,19 +128,26 @@ def draw(rng: random.Random, index: int) -> Provider:
         hog=rng.random() < 0.5,
         bind=rng.choice(("rpm", "tpm")),
         rps=_log_uniform(rng, RPS[0], max(RPS[0], min(RPS[1], MAX_BURST / shape_s))),
-        target_s=rng.uniform(*TARGET_S),
+        target_s=rng.uniform(*(LONG_TARGET_S if index % LONG_EVERY == 0 else TARGET_S)),
         seed=rng.randrange(1 << 30),
     )
 
 
 def limits(p: Provider, start: float) -> list[tuple[object, str]]:
-    """The provider's limits at the true rate (the phase `start` s into its first window) and
-    the configured ceiling, each with the dimension it counts."""
+    """What the perfect client obeys, each limit with the dimension it counts: the provider's
+    enforcement at the true limit (the phase `start` s into its first window); a pace at
+    min(configured, true) with the engine's default burst (the configured limit is a rate
+    headers never raise, so the utilisation is that of min(configured, true): a client that
+    bursts a provider's bucket or window is not needed to score 1); and the configured ceiling
+    (at most a minute's worth in any 60 s)."""
     conf_rpm, conf_tpm = p.configured
     ceiling = {"enforcement": "sliding_window", "window_s": CEILING_S, "now": 0.0}
+    paced = {"enforcement": "bucket", "bucket_s": PACED_BURST_S, "now": 0.0}
     return [
         (make_limit(p.rpm, now=-start, **p.shape), "rpm"),
         (make_limit(p.tpm, now=-start, **p.shape), "tpm"),
+        (make_limit(min(p.rpm, conf_rpm), **paced), "rpm"),
+        (make_limit(min(p.tpm, conf_tpm), **paced), "tpm"),
         (make_limit(conf_rpm, **ceiling), "rpm"),
         (make_limit(conf_tpm, **ceiling), "tpm"),
     ]
@@ -168,7 +184,7 @@ def size(p: Provider) -> tuple[list[str], list[int], float] | None:
     for t in admission_times(counted(), limits(p, 0.0)):
         if t > MAX_IDEAL_S:
             return None
-        if t >= p.target_s:
+        if t >= p.target_s and len(costs) >= MIN_REQUESTS:
             return pool[: len(costs)], costs, t
     return None
 

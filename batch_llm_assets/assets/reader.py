@@ -183,9 +183,11 @@ class SliceReader:
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
             )
             # The exact body, structured params (the schema) included: a changed schema re-runs.
-            h = self._hash(messages, params, 0)
+            # Built once: the same dict is hashed and sent (ChatRequest.body).
+            body = None if params is None else self._engine.request_body(messages, params)
+            h = self._hash(messages, body, 0)
             stored = done.get(rid)
-            if stored is not None and (stored == h or stored == self._hash(messages, params, 1)):
+            if stored is not None and (stored == h or stored == self._hash(messages, body, 1)):
                 self.stats.skipped += 1
                 continue
             self.hashes[rid] = h
@@ -198,18 +200,19 @@ class SliceReader:
                 params=params,
                 validate=validator(self.typed.parse),
                 repair_attempts=self.spec.repair_attempts,
+                body=body,
             )
 
     def _hash(
-        self, messages: list[dict[str, Any]], params: dict[str, Any] | None, legacy: int
+        self, messages: list[dict[str, Any]], body: dict[str, Any] | None, legacy: int
     ) -> str:
-        """request_identity of the body sent for these messages, in `scopes[legacy]`. Without
-        params the rest of the body is the same for every row while the engine keeps its token
-        parameter: it is encoded once."""
+        """request_identity of the body sent for these messages (`body`, when the row has params
+        of its own), in `scopes[legacy]`. Without, the rest of the body is the same for every
+        row while the engine keeps its token parameter: it is encoded once."""
         engine = self._engine
         assert engine is not None
-        if params is not None:
-            return request_identity(engine.request_body(messages, params), self.scopes[legacy])
+        if body is not None:
+            return request_identity(body, self.scopes[legacy])
         key = (engine.token_param, legacy)
         identity = self._identities.get(key)
         if identity is None:

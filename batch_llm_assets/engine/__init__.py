@@ -2,9 +2,18 @@
 Redis limiter, with retries, token estimation, transports and its own errors."""
 
 from .cancel import cancel_and_wait
-from .engine import ChatRequest, ChatResult, Engine, EngineSettings
-from .errors import BatchLLMError, LimiterUnavailableError, ProviderError
+from .engine import Engine
+from .errors import (
+    BatchLLMError,
+    LimiterAuthError,
+    LimiterError,
+    LimiterRefusedError,
+    LimiterScriptError,
+    LimiterUnavailableError,
+    ProviderError,
+)
 from .limiter import Grant, LimiterSettings, RedisLimiter, limiter_namespace
+from .requests import ChatRequest, ChatResult, EngineSettings
 from .tokens import count_prompt_tokens
 from .valkey import EmbeddedValkey
 
@@ -16,6 +25,10 @@ __all__ = [
     "Engine",
     "EngineSettings",
     "Grant",
+    "LimiterAuthError",
+    "LimiterError",
+    "LimiterRefusedError",
+    "LimiterScriptError",
     "LimiterSettings",
     "LimiterUnavailableError",
     "ProviderError",

@@ -36,36 +36,47 @@ FALLBACK_ESTIMATE_MARGIN = 0.25
 # One log line per kind of limiter warning per this many seconds.
 WARN_EVERY_S = 10.0
 
-# Limiter: burst allowance in seconds of the limit (never a full minute), fair-share lease life,
-# adaptive slow-down on 429s that got through anyway.
+# -- The rate controller (docs/engine.md states it; limiter.lua receives these as arguments) --
+# Burst after idle time, in seconds of the rate (never a full minute).
 DEFAULT_BURST_S = 0.5
-LEASE_TTL_MS = 15_000
-ADAPT_DECREASE = 0.7
-# The decrease for an isolated 429 (10 s or more after the last decrease) when the provider
-# states the rate in force (x-ratelimit-limit-*): it came at the bucket's edge (a send's
-# jitter, a count a little off), and x0.7 cost a 3 s job a tenth of its time while the rate
-# climbed back to what the provider had said all along. Repeated 429s take ADAPT_DECREASE.
-ADAPT_DECREASE_STATED = 0.9
-ADAPT_RECOVERY_PER_S = 0.05
-ADAPT_MIN_FACTOR = 0.1
-ADAPT_COOLDOWN_MS = 1_000
-# A request that woke more than the burst after its slot (or whose slot a pause overtook) takes
-# a fresh one, at most this many times.
-MAX_FRESH_SLOTS = 3
-# After a 429, requests sleeping on slots are woken together this long after it (engine.py).
-RESLOT_DEBOUNCE_S = 0.01
-# The provider's bucket, as its headers show it, may widen the burst up to this (seconds).
+# A burst up to this keeps any 60 s window within 1 + 1/60 of the configured per-minute limit
+# whatever happens; a wider one (learned from the provider's bucket) is granted only while the
+# minute's ledger has room under the configured limit.
+CEILING_FREE_BURST_S = 1.0
+# The provider's bucket, as remaining / rate + reset show it, less this much (a send's jitter),
+# is the widest burst; and never more than MAX_LEARNED_BURST_S. What remains (the clamp) bounds
+# what the burst may take at any moment.
+LEARNED_BURST_MARGIN_S = 0.1
 MAX_LEARNED_BURST_S = 60.0
-# Above the rate at which 429s began, recovery probes this much slower.
+# AIMD on 429s: x0.7 per overload event, +0.05 per second back up to the factor in force when
+# the 429s began, then ADAPT_PROBE_SLOWDOWN times slower; never below ADAPT_MIN_FACTOR.
+ADAPT_DECREASE = 0.7
+ADAPT_RECOVERY_PER_S = 0.05
 ADAPT_PROBE_SLOWDOWN = 5.0
-# The reservation's scale-up (or down) to the provider's own prompt count, learned from usage,
-# stays within these bounds.
+ADAPT_MIN_FACTOR = 0.1
+# Fair shares: a job's lease lives this long without an acquire; its recent use is an EWMA over
+# SHARE_TAU_MS; a job using under SHARE_IDLE of its weighted share lends the rest.
+JOB_LEASE_TTL_MS = 15_000
+SHARE_TAU_MS = 1_000
+SHARE_IDLE = 0.5
+# A request takes a fresh slot, at most this many times, when it woke later than its burst after
+# its slot, or after an overload event or a widened burst made its slot stale.
+MAX_FRESH_SLOTS = 2
+# Bucket or window (controller.py), over a draw of WINDOW_EVIDENCE_S of the rate between two
+# answers: a reset that grew by half the draw or more shows a bucket (its capacity may then widen
+# the burst); one that did not is a vote for a window; WINDOW_VOTES votes make it one.
+WINDOW_EVIDENCE_S = 0.25
+WINDOW_VOTES = 2
+# A spent window's grants wait until this long after its reset (the send's way there, and the
+# reset read against our clock from the send's time).
+WINDOW_RESET_MARGIN_S = 0.02
+# A x-ratelimit-limit-* below the configured limit is a per-minute limit (and lowers the rate)
+# when it is at least this fraction of it; a smaller one is taken for a bucket's capacity.
+PER_MINUTE_LIMIT_FRACTION = 0.5
+# The reservation's scale-up (or down) to the provider's own prompt count, learned from usage:
+# the ratio of the sums over about CALIBRATION_ANSWERS latest answers, within these bounds.
 CALIBRATION_MIN = 0.5
-# Answers whose usage the calibration has seen before the engine counts as settled (limiter.py).
-CALIBRATION_SETTLED = 16
 CALIBRATION_MAX = 4.0
-# The calibration is the provider's prompt tokens over the estimate's, summed over about this
-# many latest answers (older ones fade): a ratio of sums, as the limits count sums.
 CALIBRATION_ANSWERS = 64
 # How long a limiter call waits out an unreachable Redis before the request fails.
 LIMITER_OUTAGE_S = 60.0
@@ -104,13 +115,6 @@ def context_window_for(model: str) -> int | None:
             best = prefix
     return CONTEXT_WINDOWS[best] if best else None
 
-
-# The provider took its snapshot a little after the send (the request's way there): a bucket is
-# credited its refill from this long after the send (provider_gate.py, the limiter's observe).
-SNAPSHOT_LAG_S = 0.002
-# The limiter is told the median of this many latest answers' remaining (`RemainingViews`).
-REMAINING_ANSWERS = 15
-REMAINING_WITHIN_S = 0.25  # of those sent within this much of the answer's own send
 
 # Partition leases (assets/lease.py): one run per asset partition at a time. A lease lives
 # LEASE_TTL_S past its holder's last renewal (renewed LEASE_RENEWALS_PER_TTL times a TTL), so a

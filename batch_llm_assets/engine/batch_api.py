@@ -15,7 +15,6 @@ from typing import Any
 
 import aiohttp
 
-from .engine import backoff_delay
 from .errors import (
     CONNECTION_ERROR,
     SERVER_ERROR,
@@ -23,6 +22,7 @@ from .errors import (
     ProviderError,
     redact,
 )
+from .requests import backoff_delay
 from .transport import ChatResponse, error_from_body, parse_completion
 
 CHAT_ENDPOINT = "/v1/chat/completions"

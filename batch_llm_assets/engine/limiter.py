@@ -1,11 +1,11 @@
-"""Redis-backed limiter shared by every process that calls one endpoint + model + key."""
+"""The shared limiter's client: one Lua call per op (limiter.lua), named arguments, Redis errors
+told apart (redis_client.py), an outage waited out for a bounded time."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-import math
 import random
 import time
 import uuid
@@ -13,14 +13,13 @@ from dataclasses import dataclass, replace
 from importlib import resources
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, ResponseError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis import exceptions as rx
 
 from . import _constants as C
-from .errors import LimiterUnavailableError
-from .redis_client import check_redis, connect_redis  # noqa: F401 (re-exported)
-from .usage import ProviderLimits
+from .errors import LimiterError, LimiterUnavailableError
+from .redis_client import check_redis, connect_redis, error_kind, limiter_error
+
+__all__ = ["Grant", "LimiterSettings", "RedisLimiter", "check_redis", "connect_redis"]
 
 log = logging.getLogger(__name__)
 
@@ -39,55 +38,30 @@ def limiter_namespace(base_url: str, model: str, api_key: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """A reservation: sleep `wait_s`, then send. `factor` is the adaptive slow-down in force."""
+    """A reservation: sleep `wait_s`, then send. What it reserved (`tokens`, one request) and
+    where (`slot_ms`, Redis time) is what a give-back returns; `epoch` counts the overload
+    events the limiter had seen when it granted it (a later one made it stale)."""
 
     wait_s: float
-    factor: float
-    granted: bool
-    share: float
-    active_jobs: int
-    slot_ms: int = 0  # the granted send time on the Redis clock (0: no limiter)
-    # time.monotonic() when the call that granted it was sent (after any deferral): a shared
-    # pause that began after it is one the slot does not know about.
-    asked_at: float = math.inf
-    burst_ms: int = 0  # the burst it was granted under
+    slot_ms: int = 0
+    epoch: int = 0
+    tokens: int = 0
+    factor: float = 1.0
+    share: float = 1.0
+    active_jobs: int = 0
+    burst_s: float = 0.0
+    granted: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class LimiterSettings:
+    """The configured limits (a ceiling: the provider's headers may only lower them)."""
+
     rpm: int | None = None
     tpm: int | None = None
     burst_s: float = C.DEFAULT_BURST_S
-    lease_ms: int = C.LEASE_TTL_MS
-    decrease: float = C.ADAPT_DECREASE
-    recovery_per_s: float = C.ADAPT_RECOVERY_PER_S
-    min_factor: float = C.ADAPT_MIN_FACTOR
-    cooldown_ms: int = C.ADAPT_COOLDOWN_MS
+    lease_ms: int = C.JOB_LEASE_TTL_MS
     outage_s: float = C.LIMITER_OUTAGE_S
-    probe_slowdown: float = C.ADAPT_PROBE_SLOWDOWN
-    max_learned_burst_s: float = C.MAX_LEARNED_BURST_S
-
-
-# Response errors that pass: a failover in progress (READONLY, MASTERDOWN), a cluster moving
-# slots (MOVED, ASK, TRYAGAIN, CLUSTERDOWN), a server loading its data (LOADING), a busy script.
-_TRANSIENT_REPLIES = (
-    "READONLY",
-    "MOVED",
-    "ASK",
-    "TRYAGAIN",
-    "CLUSTERDOWN",
-    "LOADING",
-    "BUSY",
-    "MASTERDOWN",
-)
-
-
-def _transient(exc: Exception) -> bool:
-    if isinstance(exc, AuthenticationError):
-        return False
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-        return True
-    return isinstance(exc, ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
 
 
 class _Warnings:
@@ -109,10 +83,10 @@ class _Warnings:
 
 
 class RedisLimiter:
-    """Requests/min and tokens/min limits, fair shares and 429 back-off, one Lua call each.
+    """Requests/min and tokens/min shared by every process on one key, through limiter.lua.
 
-    `acquire` never polls: the script returns a wait and the caller sleeps once (a job over its
-    fair share under saturation makes one more call, with its slot already reserved).
+    `rpm` and `tpm` are the limits believed now: the configured ones, lowered by what the
+    provider states (`believe`). `factor`, `epoch` and `burst_s` are as of the latest reply.
     """
 
     def __init__(
@@ -123,316 +97,168 @@ class RedisLimiter:
         settings: LimiterSettings,
         job: str = "default",
         weight: float = 1.0,
+        where: str = "redis",
     ) -> None:
-        if weight <= 0:
+        if not weight > 0:
             raise ValueError(f"job weight must be > 0, got {weight}")
         self._redis = client
         self._script = client.register_script(_SCRIPT)
         self.settings = settings
         self.job = job
         self.weight = weight
-        # The latest send time granted to this process: after a Redis restart it tells the
-        # fresh state what is already scheduled (see limiter.lua).
-        self._horizon = 0.0
-        self.rpm = settings.rpm
-        self.tpm = settings.tpm
-        self.warn = _Warnings()
-        self._limits_checked = False
-        # Every limited dimension's rate is one the provider states (x-ratelimit-limit-*, per
-        # minute): an isolated 429 then says a send came at the bucket's edge, not that the rate
-        # is too high, and costs a milder decrease (`penalize`, limiter.lua).
-        self.limits_stated = False
-        self.window_s = 0.0  # the provider's window, when the engine has seen it enforce one
-        self._keys = [
-            f"{namespace}:state",
-            f"{namespace}:leases",
-            f"{namespace}:weights",
-            f"{namespace}:job:{job}",
-            f"{namespace}:engines",
-        ]
-        self.engine_id = uuid.uuid4().hex  # this process's run on the key (see `settled`)
-        # The engine's token counts agree with the provider's (its calibration has settled):
-        # alone on the key, it may then burst closer to the provider's bucket (limiter.lua).
-        self.settled = False
-        self._clock_ms = -math.inf  # Redis ms less time.monotonic() ms (see `_note_clock`)
-        self.only_engine = False  # the only engine on the key, as of the latest observe
-        # The adaptive slow-down in force as of the latest reply (1: none; a 429 lowers it).
+        self.engine_id = uuid.uuid4().hex[:16]  # this engine's own lease, released by it alone
+        self.rpm, self.tpm = settings.rpm, settings.tpm
         self.factor = 1.0
-        # The latest observe raised the tokens' schedule to the provider's remaining.
-        self.clamped_tokens = False
+        self.epoch = 0
+        self.burst_s = settings.burst_s
+        self.warn = _Warnings()
+        self._where = where
+        self._horizon = 0.0  # the latest send time granted here (monotonic): see limiter.lua
+        keys = ("state", "leases", "jobs", f"job:{job}", "ledger:r", "ledger:t")
+        self._keys = [f"{namespace}:{k}" for k in keys]
 
     async def prepare(self) -> None:
-        """Load the script once before the first wave of acquires: otherwise every one of them
-        gets NOSCRIPT and sends the whole script again."""
+        """Load the script once before the first wave of acquires (each would get NOSCRIPT and
+        send the whole script)."""
         try:
             await self._redis.script_load(_SCRIPT)
-        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError):
-            pass  # the acquires load it themselves, and handle the error there
+        except (rx.RedisError, OSError):
+            pass  # the calls load it themselves and report what fails
 
     @property
     def max_request_tokens(self) -> int | None:
         """The largest request the tokens/min limit can ever admit (OpenAI rejects larger)."""
         return self.tpm
 
-    def lower_limits(
-        self, *, rpm: int | None = None, tpm: int | None = None, source: str = "reports"
-    ) -> None:
-        """Adopt a lower limit the provider shows (x-ratelimit-limit-*, or the refill its
-        x-ratelimit-reset-* show: `source` says which, for the warning)."""
-        if rpm and self.rpm and rpm < self.rpm:
-            log.warning(
-                "Provider %s %d requests/min, below the configured %d.", source, rpm, self.rpm
-            )
-            self.rpm = rpm
-        if tpm and self.tpm and tpm < self.tpm:
-            log.warning(
-                "Provider %s %d tokens/min, below the configured %d.", source, tpm, self.tpm
-            )
-            self.tpm = tpm
+    def believe(self, *, rpm: int | None, tpm: int | None) -> bool:
+        """The provider's stated per-minute limits: believed when under the configured ones (a
+        ceiling), and followed both ways below it. True if a believed limit fell."""
+        fell = False
+        for name, stated in (("rpm", rpm), ("tpm", tpm)):
+            configured = getattr(self.settings, name)
+            if not configured or stated is None:
+                continue
+            believed = min(configured, stated)
+            if believed != getattr(self, name):
+                log.warning(
+                    "Provider states %s %d; the limiter now uses %d (configured %d).",
+                    name,
+                    stated,
+                    believed,
+                    configured,
+                )
+                fell = fell or believed < (getattr(self, name) or 0)
+                setattr(self, name, believed)
+        return fell
 
-    def adopt_refill(self, *, rpm: int | None = None, tpm: int | None = None) -> None:
-        """Adopt the refill the provider's x-ratelimit-reset-* show (provider_gate.py), below
-        the configured rate: it is the provider's own, as a stated limit is (`limits_stated`;
-        the limit that binds is the one a job's first burst draws down, and so reads)."""
-        self.lower_limits(rpm=rpm, tpm=tpm, source="resets show a refill of")
-        self.limits_stated = True
-
-    async def _call(
-        self,
-        op: str,
-        tokens: float,
-        extra: float,
-        *,
-        wait: bool = True,
-        more: tuple[float, float, float] = (0, -1, -1),
-        snapshot_ms: float = 0.0,
-        costs: str = "",
-        mild: float = 0,
-    ) -> list[int]:
-        s = self.settings
-        args = [
-            op,
-            self.job,
-            self.rpm or 0,
-            self.tpm or 0,
-            s.burst_s * 1000,
-            s.lease_ms,
-            self.weight,
-            s.decrease,
-            s.recovery_per_s,
-            s.min_factor,
-            s.cooldown_ms,
-            tokens,
-            extra,
-            max(0.0, (self._horizon - time.monotonic()) * 1000),
-            *more,
-            s.probe_slowdown,
-            s.max_learned_burst_s * 1000,
-            self.window_s * 1000,
-            self.engine_id,
-            int(self.settled),
-            snapshot_ms,
-            costs,
-            mild,
+    def _common(self) -> list[object]:
+        ahead = max(0.0, (self._horizon - time.monotonic()) * 1000)
+        return [
+            *("job", self.job, "engine", self.engine_id),
+            *("rpm", self.rpm or 0, "tpm", self.tpm or 0, "burst_ms", self.settings.burst_s * 1000),
+            *("recovery", C.ADAPT_RECOVERY_PER_S, "slowdown", C.ADAPT_PROBE_SLOWDOWN),
+            *("min_factor", C.ADAPT_MIN_FACTOR, "ahead", ahead),
         ]
-        give_up = time.monotonic() + s.outage_s
+
+    async def _call(self, op: str, *named: object, wait: bool = True) -> Grant:
+        args = [op, *self._common(), *named]
+        give_up = time.monotonic() + self.settings.outage_s
         delay = 0.1
         while True:
             try:
-                return await self._script(keys=self._keys, args=args)
-            except AuthenticationError as exc:
-                raise LimiterUnavailableError(
-                    description=f"Limiter Redis refused the credentials: {exc}"
-                ) from exc
-            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
-                kind = type(exc).__name__
-                if not _transient(exc):  # OOM, NOSCRIPT that would not load, a script error...
-                    raise LimiterUnavailableError(
-                        description=f"Limiter Redis answered an error ({kind}): {exc}"
-                    ) from exc
-                if not wait or time.monotonic() + delay > give_up:
-                    raise LimiterUnavailableError(
-                        description=f"Limiter Redis unavailable for {s.outage_s:.0f} s: {exc}"
-                    ) from exc
-                self.warn(kind, "Limiter Redis unavailable (%s); retrying.", exc)
+                res = await self._script(keys=self._keys, args=args)
+                break
+            except (rx.RedisError, OSError) as exc:
+                if error_kind(exc) != "outage" or not wait or time.monotonic() + delay > give_up:
+                    err = limiter_error(exc, self._where, f"running {op}")
+                    if error_kind(exc) == "outage" and wait:
+                        err = LimiterUnavailableError(
+                            f"{err.description}; gave up after {self.settings.outage_s:.0f} s"
+                        )
+                    raise err from exc
+                self.warn(type(exc).__name__, "Limiter Redis unavailable (%s); retrying.", exc)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, 5.0)
+        granted, wait_ms, slot, factor, share, jobs, epoch, burst = (int(x) for x in res)
+        self.factor, self.epoch, self.burst_s = factor / 1e6, epoch, burst / 1000
+        return Grant(
+            wait_ms / 1000, slot, epoch, 0, factor / 1e6, share / 1e6, jobs, burst / 1000, granted
+        )
 
-    async def acquire(self, tokens: int, *, deadline: float | None = None) -> Grant:
-        """Reserve one request of `tokens` tokens. Returns the wait before sending.
+    async def acquire(
+        self, tokens: int, *, deadline: float | None = None, give_back: Grant | None = None
+    ) -> Grant:
+        """Reserve one request of `tokens` tokens: the wait before sending. `give_back` returns
+        an older grant's reservation in the same call (a fresh slot for a stale one).
 
-        With a deadline (time.monotonic()), a deferral that would pass it is returned as is:
-        the caller compares the wait with its deadline and refunds.
-        """
+        A job over its share while the schedule is saturated waits with its own slot reserved
+        and asks again; a deferral past the deadline is returned as it is (not granted)."""
         ticket = 0
+        back: list[object] = []
+        if give_back is not None and give_back.granted:
+            back = ["back_slot", give_back.slot_ms, "back_epoch", give_back.epoch]
+            back += ["back_tokens", give_back.tokens]
         while True:
-            asked_at = time.monotonic()
-            res = await self._call("acquire", tokens, ticket)
-            granted, wait_us, factor, share, active = res[:5]
-            self.factor = factor / 1e6
-            # A grant's sixth value is its send time; a deferral's, the ticket: the time its
-            # job reserved for it on the limiter's virtual clock.
-            slot = int(res[5]) if granted and len(res) > 5 else 0
-            self._note_clock(res)
-            grant = Grant(
-                wait_us / 1e6,
-                factor / 1e6,
-                bool(granted),
-                share / 1e6,
-                int(active),
-                slot,
-                asked_at,
-                int(res[7]) if granted and len(res) > 7 else 0,
-            )
-            self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
-            if granted or (deadline is not None and time.monotonic() + grant.wait_s > deadline):
+            grant = await self._call("acquire", *self._acquire_args(tokens, ticket), *back)
+            back = []
+            grant = replace(grant, tokens=tokens)
+            if grant.granted:
+                self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
                 return grant
-            # Over our share while the bucket is saturated: our slot is reserved; come back then.
+            if deadline is not None and time.monotonic() + grant.wait_s > deadline:
+                return grant
             await asyncio.sleep(grant.wait_s)
-            ticket = int(res[5]) if len(res) > 5 else 1
+            ticket = 1
 
-    async def reconcile(self, tokens_delta: float, requests_delta: float = 0) -> None:
-        """Charge (positive) or refund (negative) the difference from the reservation."""
-        if tokens_delta or requests_delta:
-            await self._call("reconcile", tokens_delta, requests_delta)
-
-    async def reslot(self, held: list[Grant], costs: list[int]) -> list[Grant]:
-        """Give back slots granted under a narrower burst and take them again, in their order,
-        under the burst now in force, in one call (see limiter.lua). For a job alone on the key;
-        `held` in the order of their slots.
-        Raises LimiterUnavailableError at once if Redis cannot take it: the old slots hold."""
-        asked_at = time.monotonic()
-        res = await self._call(
-            "reslot",
-            sum(costs),
-            0,
-            wait=False,
-            more=(held[0].slot_ms + held[0].burst_ms, -1, -1),
-            costs=",".join(str(int(c)) for c in costs),
-        )
-        factor = int(res[0]) / 1e6
-        self.factor = factor
-        self._note_redis_now(int(res[1]))
-        grants = [
-            replace(
-                old,
-                wait_s=int(res[2 + 2 * i]) / 1000,
-                factor=factor,
-                slot_ms=int(res[3 + 2 * i]),
-                asked_at=asked_at,
-            )
-            for i, old in enumerate(held)
+    def _acquire_args(self, tokens: int, ticket: int) -> list[object]:
+        s = self.settings
+        return [
+            *("tokens", tokens, "ticket", ticket, "weight", self.weight),
+            *("lease_ms", s.lease_ms, "share_tau_ms", C.SHARE_TAU_MS, "idle", C.SHARE_IDLE),
+            *("ceil_rpm", s.rpm or 0, "ceil_tpm", s.tpm or 0),
+            *("free_ms", C.CEILING_FREE_BURST_S * 1000),
         ]
-        if grants:
-            self._horizon = max(self._horizon, time.monotonic() + max(g.wait_s for g in grants))
-        return grants
 
-    async def penalize(self, *, retry_after_s: float | None, slot_ms: int = 0) -> float:
-        """A 429 got through: slow the shared bucket down (once per overload event: `slot_ms`
-        of a slot granted before the last decrease does not decrease again), empty the burst,
-        and pause everyone for the hint (at most MAX_SHARED_PAUSE_S)."""
-        pause_ms = min(retry_after_s or 0, C.MAX_SHARED_PAUSE_S) * 1000
-        mild = C.ADAPT_DECREASE_STATED if self.limits_stated else 0
-        res = await self._call("penalize", 0, pause_ms, more=(slot_ms, -1, -1), mild=mild)
-        self.factor = res[2] / 1e6
-        return self.factor
+    async def settle(
+        self,
+        grant: Grant,
+        *,
+        tokens: float = 0,
+        requests: int = 0,
+        view: dict[str, float] | None = None,
+    ) -> None:
+        """An answer: charge (or give back) the difference from the reservation, and hold the
+        schedule to the provider's state (`view`: rem_r / rem_t remaining, reset_r / reset_t ms
+        to a window's reset, cap_ms the burst its bucket allows, restart 1 when the believed rate
+        fell so the slots granted at the old one are taken again; see controller.py)."""
+        named: list[object] = ["slot", grant.slot_ms, "epoch", grant.epoch]
+        named += ["tokens", tokens, "requests", requests]
+        named += ["max_burst_ms", C.MAX_LEARNED_BURST_S * 1000]
+        for k, v in (view or {}).items():
+            named += [k, v]
+        if tokens or requests or view:
+            await self._call("settle", *named)
 
-    async def observe(self, limits: ProviderLimits, *, sent_at: float | None = None) -> float:
-        """Fold the provider's x-ratelimit-* state into the shared schedule; returns the burst
-        (seconds) now in force, grown to the provider's bucket as its headers show it.
+    async def give_back(self, grant: Grant) -> None:
+        """Return a grant not used (a deadline, a breaker): best effort, it lapses otherwise."""
+        if grant.granted and grant.slot_ms:
+            try:
+                await self.settle(grant, tokens=-grant.tokens, requests=-1)
+            except LimiterError:
+                pass
 
-        `sent_at` (time.monotonic()): when the request whose answer this is went. The provider
-        took its snapshot on arrival, so its bucket has refilled since: by the time the answer
-        is back (seconds, for a model that writes a long answer) and this call runs."""
-        self._adopt_limits(limits)
-        if limits.remaining_tokens is None and limits.remaining_requests is None:
-            return self.settings.burst_s
-
-        def ms(v: float | None) -> float:
-            return -1 if v is None else v * 1000
-
-        snapshot_ms = 0.0
-        if sent_at is not None and self._clock_ms > -math.inf:
-            snapshot_ms = (sent_at + C.SNAPSHOT_LAG_S) * 1000 + self._clock_ms
-        res = await self._call(
-            "observe",
-            "" if limits.remaining_tokens is None else limits.remaining_tokens,
-            0,
-            more=(
-                "" if limits.remaining_requests is None else limits.remaining_requests,
-                ms(limits.reset_tokens_s),
-                ms(limits.reset_requests_s),
-            ),
-            snapshot_ms=snapshot_ms,
-        )
-        self._note_clock(res)
-        self.factor = res[2] / 1e6
-        if len(res) > 7:
-            self.only_engine = int(res[7]) == 1
-        self.clamped_tokens = len(res) > 8 and int(res[8]) == 1
-        return res[5] / 1000 if len(res) > 5 else self.settings.burst_s
-
-    def _note_clock(self, res: list[int]) -> None:
-        """Learn Redis's clock against time.monotonic() from a reply carrying Redis now (us).
-
-        Redis ran the script before the reply came back, so `redis now - monotonic at the
-        reply` is at most the true offset; the largest seen is the closest. An observe's
-        snapshot time is sent in Redis's clock: its call can wait for a connection for tenths
-        of a second while the answers of a burst come in, and a snapshot aged from when the
-        script runs would be that much too young (the schedule held that much short)."""
-        if len(res) > 6:  # a grant's or an observe's seventh value
-            self._note_redis_now(int(res[6]))
-
-    def _note_redis_now(self, redis_now_us: int) -> None:
-        sample = redis_now_us / 1000 - time.monotonic() * 1000
-        self._clock_ms = max(sample, self._clock_ms)
-
-    def _adopt_limits(self, limits: ProviderLimits) -> None:
-        """Lower rpm/tpm to what x-ratelimit-limit-* (with remaining and reset) says; once."""
-        if self._limits_checked:
-            return
-        self._limits_checked = True
-        self.lower_limits(
-            rpm=_per_minute(
-                limits.limit_requests,
-                limits.remaining_requests,
-                limits.reset_requests_s,
-                self.rpm,
-            ),
-            tpm=_per_minute(
-                limits.limit_tokens, limits.remaining_tokens, limits.reset_tokens_s, self.tpm
-            ),
-        )
-        # Stated: a figure at or above the rate now in force (so a per-minute one, not a
-        # bucket's capacity), for each dimension limited.
-        self.limits_stated = all(
-            stated is not None and rate <= stated
-            for rate, stated in ((self.rpm, limits.limit_requests), (self.tpm, limits.limit_tokens))
-            if rate
+    async def penalize(self, grant: Grant, *, retry_after_s: float | None) -> None:
+        """A 429 for the rate got through: one decrease per overload event, a shared pause for
+        the server's exact hint (at most MAX_SHARED_PAUSE_S), the burst emptied."""
+        pause_ms = min(max(0.0, retry_after_s or 0.0), C.MAX_SHARED_PAUSE_S) * 1000
+        await self._call(
+            "penalize",
+            *("epoch", grant.epoch, "pause_ms", pause_ms, "decrease", C.ADAPT_DECREASE),
         )
 
     async def release(self) -> None:
-        """Give up this job's lease, so its share goes to the others at once."""
+        """Give up this engine's lease (not its job's other engines'), so its share goes at once."""
         try:
-            await self._call("release", 0, 0, wait=False)
-        except LimiterUnavailableError:
+            await self._call("release", wait=False)
+        except LimiterError:
             pass  # the lease lapses by itself
-
-
-def _per_minute(
-    limit: int | None, remaining: int | None, reset_s: float | None, configured: int | None
-) -> int | None:
-    """The per-minute limit that x-ratelimit-limit-* (read with remaining and reset) implies.
-
-    OpenAI sends a per-minute figure; some servers send their bucket's capacity (a few seconds
-    of the rate) instead. A figure of at least half the configured limit is taken as per-minute.
-    A smaller one may be a capacity: then the refill it implies, (limit - remaining) / reset,
-    is the rate; adopted when below the configured one."""
-    if not limit or not configured or limit >= configured:
-        return None
-    if limit >= configured / 2:
-        return limit
-    if remaining is None or not reset_s or remaining >= limit:
-        return None
-    implied = int(60 * (limit - remaining) / reset_s)
-    return implied if implied < configured else None

@@ -2,7 +2,7 @@
 
 A profile is chosen from the base URL (or set explicitly with `LLMResource.provider`) and says
 which token-limit parameter a model takes, how many requests a server handles at once, how long
-an answer may take, whether it supports structured output, and how it reports usage.
+and an answer may take.
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ class Profile:
     name: str
     max_concurrency: int  # requests in flight per process when the resource sets none
     request_timeout_s: float
-    structured_output: bool  # honours response_format json_schema
-    usage_reported: bool  # sends a usage block (else the estimate is recorded, flagged)
     hosted: bool  # a hosted service with published models (else ask the server about them)
 
 
 PROFILES = {
-    "openai": Profile("openai", 64, 60.0, True, True, True),
-    "azure": Profile("azure", 64, 60.0, True, True, True),
-    "gemini": Profile("gemini", 32, 120.0, True, True, True),
-    "vllm": Profile("vllm", 64, 300.0, True, True, False),
-    "llamacpp": Profile("llamacpp", 4, 600.0, False, True, False),
-    "generic": Profile("generic", 64, 60.0, False, True, False),
+    "openai": Profile("openai", 64, 60.0, True),
+    "azure": Profile("azure", 64, 60.0, True),
+    "gemini": Profile("gemini", 32, 120.0, True),
+    "vllm": Profile("vllm", 64, 300.0, False),
+    "llamacpp": Profile("llamacpp", 4, 600.0, False),
+    "generic": Profile("generic", 64, 60.0, False),
 }
 
 

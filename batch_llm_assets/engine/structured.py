@@ -26,7 +26,7 @@ from . import errors as E
 from .profiles import detect_provider
 
 if TYPE_CHECKING:
-    from .engine import ChatRequest, ChatResult
+    from .requests import ChatRequest, ChatResult
 
 KINDS = ("openai", "azure", "gemini", "vllm", "llamacpp", "ollama", "generic")
 SCHEMA_MARKER = "Reply with one JSON object, and nothing else, that matches this JSON Schema:"
@@ -162,7 +162,7 @@ async def validated(
 ) -> ChatResult:
     """Validate an ok answer; re-ask up to req.repair_attempts times with the error. Tokens,
     attempts, latency and waits add up over every request made for the row."""
-    from .engine import ChatRequest  # the engine imports this module
+    from .requests import ChatRequest
 
     result, total = first, first
     messages = list(req.messages or [])

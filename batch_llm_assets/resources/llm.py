@@ -14,7 +14,7 @@ from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
 from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
 from ..engine.profiles import Profile, discover_context_window, profile_for
-from ..engine.redis_client import check_redis, connect_redis
+from ..engine.redis_client import check_redis, connect_redis, safe_url
 from ..engine.transport import TRANSPORTS
 from ..engine.valkey import EmbeddedValkey
 
@@ -291,6 +291,7 @@ class LLMResource(dg.ConfigurableResource):
                 settings=LimiterSettings(rpm=self.rpm, tpm=self.tpm, burst_s=self.burst_s),
                 job=self.job_key,
                 weight=self.job_weight,
+                where=safe_url(url),
             )
         try:
             if limiter is not None:

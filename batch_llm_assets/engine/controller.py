@@ -1,0 +1,151 @@
+"""What the provider's answers say, for one engine: the limits it states, whether it enforces a
+bucket or a window, what remains of it less what this engine sent since, and how many prompt
+tokens it counts per estimated one.
+
+Everything here is read from the provider's own numbers (x-ratelimit-* headers and usage), not
+from timing: a busy host makes the engine slower, never changes what it believes.
+The limiter (limiter.lua) gets the result in `settle`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from . import _constants as C
+from .limiter import RedisLimiter
+from .usage import ProviderLimits
+
+# When a request went (time.monotonic()), and what this engine had sent by then: requests, its
+# prompt tokens as estimated, and its answer budgets.
+Mark = tuple[float, float, float, float]
+
+
+@dataclass(slots=True)
+class _Dim:
+    """Requests or tokens: the provider's kind (bucket or window) and its latest state."""
+
+    bucket: bool = False  # its reset grew as it was drawn down: its capacity is real
+    window: bool = False  # WINDOW_VOTES draws saw its reset count down: for the engine's life
+    votes: int = 0
+    anchor: tuple[float, float] | None = None  # (remaining, reset) of an earlier answer
+
+    def vote(self, remaining: float, reset_s: float, per_s: float) -> None:
+        """A bucket's reset is when it is full again: drawn down by X, it grows by the time the
+        rate takes to refill X. A fixed window's counts down to its end, as fast as time, and
+        paced sends draw it about as fast. A sliding window's (its length after the last send)
+        does neither: it is paced as a bucket, with no burst learned. Read from the provider's
+        own numbers, over a draw of at least WINDOW_EVIDENCE_S of the rate: no timing of ours,
+        so a busy host cannot fake either."""
+        if reset_s <= remaining / per_s / 2:
+            # Seen at once: a bucket that holds that much is full again that soon (a sliding
+            # window's reset is its whole length, a fixed window's its end)
+            self.bucket = True
+        a = self.anchor
+        if a is None or remaining > a[0]:
+            self.anchor = (remaining, reset_s)
+            return
+        drawn_s = (a[0] - remaining) / per_s
+        if drawn_s < C.WINDOW_EVIDENCE_S:
+            return
+        if reset_s - a[1] >= drawn_s / 2:
+            self.bucket = True
+        elif a[1] - reset_s >= drawn_s / 2:
+            self.votes += 1
+            self.window = self.window or self.votes >= C.WINDOW_VOTES
+        self.anchor = (remaining, reset_s)
+
+
+class Controller:
+    """One engine's view of the provider, fed by every answer, read before every send."""
+
+    def __init__(self, limiter: RedisLimiter) -> None:
+        self.limiter = limiter
+        self._sent = (0.0, 0.0, 0.0)  # requests, estimated prompt tokens, answer budgets sent
+        self._dims = (_Dim(), _Dim())
+        # Provider's prompt tokens per estimated one, learned from usage (a provider that counts
+        # otherwise, characters/4 or another tokenizer, is reserved what it will charge).
+        self.calibration = 1.0
+        self._sums = [0.0, 0.0]  # provider's prompt tokens, estimated ones (fading)
+
+    def on_send(self, prompt: int, max_tokens: int) -> Mark:
+        r, p, m = self._sent
+        self._sent = (r + 1, p + prompt, m + max_tokens)
+        return (time.monotonic(), *self._sent)
+
+    def _since(self, mark: Mark | tuple[float, ...], i: int) -> float:
+        """Requests (i = 0) or tokens (1) this engine sent after `mark`, tokens as the provider
+        counts them: at the calibration learnt by now, also for sends made before it was (a
+        job's first burst goes out at a ratio of 1 and the provider's count can be a third
+        more: counted at the ratio of the send, the debt would be a third short)."""
+        r, p, m = self._sent
+        if i == 0:
+            return r - mark[1]
+        return self.calibration * (p - mark[2]) + (m - mark[3])
+
+    def reservation(self, estimate: int, max_tokens: int) -> int:
+        """The prompt estimate scaled to the provider's own count, plus the answer budget."""
+        if self.calibration == 1.0:
+            return estimate
+        reserve = math.ceil((estimate - max_tokens) * self.calibration) + max_tokens
+        return min(reserve, self.limiter.max_request_tokens or reserve)
+
+    def calibrate(self, estimate: int, max_tokens: int, usage_prompt: int) -> None:
+        """The ratio of the sums over the latest answers, so one odd prompt moves it little."""
+        prompt = estimate - max_tokens
+        if prompt <= 0 or usage_prompt <= 0:
+            return
+        keep = 1 - 1 / C.CALIBRATION_ANSWERS
+        self._sums[0] = self._sums[0] * keep + usage_prompt
+        self._sums[1] = self._sums[1] * keep + prompt
+        ratio = self._sums[0] / self._sums[1]
+        self.calibration = min(C.CALIBRATION_MAX, max(C.CALIBRATION_MIN, ratio))
+
+    def observe(self, limits: ProviderLimits, mark: Mark) -> dict[str, float]:
+        """What the limiter's `settle` is told of one answer's headers (see limiter.lua)."""
+        out: dict[str, float] = {"restart": 1} if self._believe(limits) else {}
+        caps: list[float] = []
+        unknown = False  # a dimension that reports but is not known a bucket: no wider burst
+        dims = (
+            ("r", self.limiter.rpm, limits.remaining_requests, limits.reset_requests_s),
+            ("t", self.limiter.tpm, limits.remaining_tokens, limits.reset_tokens_s),
+        )
+        for i, (name, rate, remaining, reset_s) in enumerate(dims):
+            if not rate or remaining is None:
+                continue
+            d = self._dims[i]
+            if reset_s is not None:
+                d.vote(remaining, reset_s, rate / 60)
+            # What went after this request is not in its remaining yet.
+            out[f"rem_{name}"] = remaining - self._since(mark, i)
+            # A window: what it has left holds every process's grants until its reset (the
+            # limiter), and it is paced (a burst on top of the pace would spill into its end).
+            # A bucket holds remaining + reset x rate, in seconds of the schedule's rate: the
+            # burst may grow to it.
+            if d.window and reset_s is not None:
+                # Counted from the answer's arrival: a provider that writes its headers as it
+                # answers (not as it admits) ends the window later than the send + reset.
+                out[f"reset_{name}"] = (reset_s + C.WINDOW_RESET_MARGIN_S) * 1000
+            elif reset_s is not None and d.bucket:
+                per_s = rate * self.limiter.factor / 60
+                caps.append(remaining / per_s + reset_s * rate / 60 / per_s)
+            else:
+                unknown = True
+        if any(d.window for d in self._dims):
+            out["cap_ms"] = 0.0  # the default burst
+        elif caps and not unknown:
+            out["cap_ms"] = (min(caps) - C.LEARNED_BURST_MARGIN_S) * 1000
+        return out
+
+    def _believe(self, limits: ProviderLimits) -> bool:
+        """x-ratelimit-limit-* as a per-minute limit, when it reads as one (not a capacity)."""
+        lim = self.limiter
+        stated = []
+        for configured, limit in (
+            (lim.settings.rpm, limits.limit_requests),
+            (lim.settings.tpm, limits.limit_tokens),
+        ):
+            per_minute = configured and limit and limit >= C.PER_MINUTE_LIMIT_FRACTION * configured
+            stated.append(limit if per_minute else None)
+        return any(s is not None for s in stated) and lim.believe(rpm=stated[0], tpm=stated[1])

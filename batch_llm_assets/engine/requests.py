@@ -1,0 +1,131 @@
+"""What goes into the engine and what comes out: requests, results, settings, and the checks
+made before anything is sent (no network)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _constants as C
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """One chat completion to make. `params` override the resource's defaults."""
+
+    id: Any
+    messages: list[dict[str, Any]] | None
+    params: dict[str, Any] | None = None
+    deadline: float | None = None  # time.monotonic() after which it is not sent again
+    error: tuple[str, str] | None = None  # (class, message): a bad row, failed without sending
+    # Typed outputs (engine/structured.py): checks an ok answer -> None or (error class, message);
+    # an invalid_output one is re-asked with the error up to repair_attempts times.
+    validate: Callable[[ChatResult], tuple[str, str] | None] | None = None
+    repair_attempts: int = 0
+    # The exact body to send, when the caller built it already (to hash it): the engine sends
+    # it as it is (its token-limit parameter aside), instead of building it again.
+    body: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class ChatResult:
+    """What became of one request. `status` is "ok" or "failed" (then `error_class` says why).
+
+    `tokens_estimated`: the provider sent no usage, so the token counts are the engine's
+    estimate (prompt) and a count of the answer's text (completion)."""
+
+    id: Any
+    status: str
+    response: str | None = None
+    finish_reason: str | None = None
+    refusal: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float | None = None  # the successful (or last) attempt alone
+    total_ms: float | None = None  # first send to final result: retries and waits included
+    attempts: int = 0
+    error_class: str | None = None
+    error_message: str | None = None
+    estimated_tokens: int | None = None
+    rate_limit_wait_s: float = 0.0
+    http_429: int = 0
+    model: str | None = None  # the model named in the answer (may differ from the one asked)
+    tokens_estimated: bool = False  # no usage in the answer: the tokens are the estimate
+    cached_tokens: int | None = None  # prompt tokens the provider billed at its cached rate
+    reasoning_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(slots=True)
+class EngineSettings:
+    model: str
+    params: dict[str, Any] = field(default_factory=dict)
+    max_concurrency: int = C.DEFAULT_MAX_CONCURRENCY
+    request_timeout_s: float = C.DEFAULT_REQUEST_TIMEOUT_S
+    max_attempts: int = C.DEFAULT_MAX_ATTEMPTS
+    deadline_s: float | None = None
+    default_max_tokens: int = C.DEFAULT_MAX_TOKENS
+    context_window: int | None = None
+    refund_unused_completion: bool = False
+    fatal_error_threshold: int = C.FATAL_ERROR_THRESHOLD
+    secret: str = ""
+    # None: max_completion_tokens for OpenAI reasoning models, else max_tokens.
+    token_param: str | None = None
+    # Scale-up of prompt estimates; None: FALLBACK_ESTIMATE_MARGIN for a model whose tokenizer
+    # tiktoken does not know (its count is a guess), 0 otherwise.
+    estimate_margin: float | None = None
+    breaker_threshold: int = C.BREAKER_THRESHOLD
+    retry_budget_base: int = C.RETRY_BUDGET_BASE
+    retry_budget_ratio: float = C.RETRY_BUDGET_RATIO
+
+
+def backoff_delay(attempt: int, hint_s: float | None, *, exact: bool = True) -> float:
+    """The server's hint when it gives a sane one, else capped exponential backoff with jitter.
+
+    A whole-second hint (not `exact`) is the real wait rounded up: only an upper bound."""
+    delay = min(C.INITIAL_RETRY_DELAY_S * 2 ** (attempt - 1), C.MAX_RETRY_DELAY_S)
+    delay *= 1 - C.RETRY_JITTER * random.random()
+    if hint_s is not None and 0 <= hint_s <= C.MAX_SERVER_HINT_S:
+        return hint_s if exact else min(hint_s, delay)
+    return delay
+
+
+def _blank(content: Any) -> bool:
+    if isinstance(content, str):
+        return not content.strip()
+    return not content
+
+
+def has_user_prompt(messages: list[dict[str, Any]]) -> bool:
+    """At least one user message, and none of them blank."""
+    found = False
+    for m in messages:
+        if m.get("role") == "user":
+            if _blank(m.get("content")):
+                return False
+            found = True
+    return found
+
+
+NON_FINITE = "hold a NaN or infinite number, which JSON cannot carry"
+
+
+def non_finite(value: Any) -> bool:
+    """A NaN or infinity anywhere in request params (a temperature from a bad row, say)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(non_finite(v) for v in value)
+    return False
+
+
+def failed(req: ChatRequest, error_class: str, message: str, **kw: Any) -> ChatResult:
+    return ChatResult(req.id, "failed", error_class=error_class, error_message=message, **kw)

@@ -1,0 +1,113 @@
+"""Many requests through one async function with a bounded number of workers, results in
+completion order, cancel-safe (the engine's `map`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+async def run_concurrently(
+    run_one: Callable[[In], Awaitable[Out]],
+    items: Iterable[In] | AsyncIterable[In],
+    *,
+    workers: int,
+    on_result: Callable[[Out], None] | None = None,
+) -> AsyncIterator[Out]:
+    """Yield `run_one(item)` for every item as each completes, `workers` at a time. Input is
+    pulled lazily; results wait in a queue of `workers` places (a busy consumer holds the
+    workers back). An exception in a worker (the source, `on_result`, a bug) stops it all and is
+    raised here; closing or cancelling the consumer cancels the workers at once."""
+    source = _aiter(items)
+    n = max(1, workers)
+    out: asyncio.Queue[Any] = asyncio.Queue(maxsize=n)
+    lock = asyncio.Lock()
+    stop = asyncio.Event()
+
+    async def worker() -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        try:
+            while not stop.is_set():
+                async with lock:
+                    if stop.is_set():
+                        break
+                    try:
+                        item = await anext(source)
+                    except StopAsyncIteration:
+                        break
+                result = await run_one(item)
+                if on_result is not None:
+                    on_result(result)
+                if stop.is_set() or me.cancelling():  # the consumer is gone; a library below
+                    return  # may have swallowed the cancel: do not wait on the queue
+                await out.put(result)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the source, the hook, or a bug: stop sending, report
+            stop.set()
+            await out.put(_Failed(exc))
+            return
+        if not me.cancelling():
+            await out.put(_DONE)
+
+    tasks = [asyncio.create_task(worker()) for _ in range(n)]
+    try:
+        finished = 0
+        while finished < n:
+            got = await out.get()
+            if got is _DONE:
+                finished += 1
+            elif isinstance(got, _Failed):
+                raise got.exc
+            else:
+                yield got
+    finally:
+        stop.set()
+        pending = set(tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            while not out.empty():  # wake any worker blocked on the full queue
+                out.get_nowait()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+        await _close(source)
+
+
+class _Failed:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
+async def _aiter(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    """One async view of the input; closes the caller's generator when the batch ends early."""
+    try:
+        if isinstance(items, AsyncIterable):
+            async for item in items:
+                yield item
+        else:
+            for item in items:
+                yield item
+    finally:
+        await _close(items)
+
+
+async def _close(items: Any) -> None:
+    aclose = getattr(items, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+    close = getattr(items, "close", None)
+    if close is not None and aclose is None:
+        with contextlib.suppress(Exception):
+            close()

@@ -1,0 +1,105 @@
+"""One engine against the shared limit (engine/pacing.py), over the simulator and a real Valkey:
+slots given back, taken again when late or stale, never sent after their deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from batch_llm_assets import ChatRequest, LLMResource
+
+from .conftest import SIM_KEY
+
+
+@pytest.fixture(autouse=True)
+def fresh_limiter_state(valkey_url):
+    r = redis.Redis.from_url(valkey_url)
+    for key in r.scan_iter("bla:*"):
+        r.delete(key)
+
+
+def _llm(sim, valkey_url, **kw) -> LLMResource:
+    settings = {"base_url": sim.url, "api_key": SIM_KEY, "model": "sim-1", "redis_url": valkey_url}
+    return LLMResource(**(settings | kw))
+
+
+def _user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_a_slot_whose_deadline_passes_before_its_send_is_given_back(fresh_sim, valkey_url):
+    # 120 requests/min, a 0.5 s burst: the first request goes at once, the second's slot is
+    # 0.5 s on. Its row's deadline is 0.55 s; the event loop stalls from 0.3 s to 0.6 s, so it
+    # wakes just past the deadline and is not sent. Its slot must go back to the schedule: the
+    # next request then goes at once, not 0.5 s later.
+    llm = _llm(fresh_sim, valkey_url, rpm=120, burst_s=0.5, job_key="deadline")
+
+    async def main():
+        async with llm.engine() as engine:
+            t0 = time.monotonic()
+            first = await engine.run_one(ChatRequest(1, _user("a")))
+
+            async def stall():
+                await asyncio.sleep(max(0.0, t0 + 0.3 - time.monotonic()))
+                time.sleep(0.3)
+
+            stalling = asyncio.create_task(stall())
+            late = await engine.run_one(ChatRequest(2, _user("b"), deadline=t0 + 0.55))
+            await stalling
+            assert engine.limiter is not None
+            nxt = await engine.limiter.acquire(10)
+            return first, late, nxt
+
+    with llm:
+        first, late, nxt = asyncio.run(main())
+    assert first.ok and late.error_class == "deadline_exceeded"
+    assert nxt.wait_s < 0.2, nxt
+    assert fresh_sim.stats()["received"] == 1
+
+
+def test_requests_that_wake_late_do_not_go_out_together(fresh_sim, valkey_url):
+    # The provider's bucket holds 1 s of 600/min (10 requests); 40 requests are paced at 10/s.
+    # A 1.5 s stall of the event loop wakes every sleeper late at once: sent on their old slots
+    # they would all go together (15 in one instant), over the bucket.
+    fresh_sim.configure(rpm=600, bucket_s=1.0)
+    llm = _llm(fresh_sim, valkey_url, rpm=600, job_key="stall", max_concurrency=32)
+
+    async def main():
+        async def stall():
+            await asyncio.sleep(1.0)
+            time.sleep(1.5)
+
+        stalling = asyncio.create_task(stall())
+        results = [
+            r async for r in llm.chat_batch(ChatRequest(i, _user(f"s{i}")) for i in range(40))
+        ]
+        await stalling
+        return results
+
+    with llm:
+        results = asyncio.run(main())
+    assert all(r.ok for r in results)
+    assert fresh_sim.stats().get("rate_limited", 0) <= 1
+
+
+def test_after_a_429_sleepers_take_fresh_slots_paced_from_the_pause(fresh_sim, valkey_url):
+    # Every 20th request the provider answers 429 with a 0.3 s hint (a spike elsewhere on the
+    # key). The requests sleeping on slots granted before it take fresh ones: after the pause,
+    # paced at the slower rate, not all at the pause's end.
+    fresh_sim.configure(rpm=1200, bucket_s=1.0, fail_429_every=20, fail_429_retry_after_s=0.3)
+    llm = _llm(fresh_sim, valkey_url, rpm=1200, job_key="spike", max_attempts=10)
+    with llm:
+        results = asyncio.run(
+            _collect(llm.chat_batch(ChatRequest(i, _user(f"p{i}")) for i in range(60)))
+        )
+    assert all(r.ok for r in results)
+    stats = fresh_sim.stats()
+    # The injected 429s, and no more: nothing went out in a herd at a pause's end.
+    assert stats.get("rate_limited", 0) <= stats["received"] // 20 + 1
+
+
+async def _collect(results):
+    return [r async for r in results]
