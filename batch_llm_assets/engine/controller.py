@@ -5,6 +5,13 @@ tokens it counts per estimated one.
 Everything here is read from the provider's own numbers (x-ratelimit-* headers and usage), not
 from timing: a busy host makes the engine slower, never changes what it believes.
 The limiter (limiter.lua) gets the result in `settle`.
+
+Provider documents behind it: OpenAI's x-ratelimit-limit/remaining/reset-{requests,tokens},
+the reset being "the time until the rate limit resets to its initial state"
+(platform.openai.com/docs/guides/rate-limits); Anthropic's limits are a token bucket
+"continuously replenished up to your maximum limit" (docs.anthropic.com/en/api/rate-limits);
+Azure OpenAI "evaluates the rate of incoming requests over a small period of time, typically
+1 or 10 seconds" (learn.microsoft.com/azure/ai-services/openai/how-to/quota): a window.
 """
 
 from __future__ import annotations
