@@ -65,6 +65,44 @@ def test_a_busy_hosts_late_send_times_do_not_change_what_the_engine_believes():
     assert bucket._dims[0].bucket and not bucket._dims[0].window
 
 
+def test_no_wider_burst_while_a_reporting_dimension_is_not_known_a_bucket():
+    # Azure's 1 s period on both dimensions, requests far from binding: near the window's end
+    # the requests dimension reads as a full bucket (much left, a short reset), the tokens one
+    # is not known yet. A burst sized on the requests alone overran the tokens' window.
+    ctl = _controller(rpm=100_000, tpm=96_000)
+    limits = ProviderLimits(
+        remaining_requests=1660,
+        reset_requests_s=0.4,
+        remaining_tokens=733,
+        reset_tokens_s=0.4,
+    )
+    view = ctl.observe(limits, (time.monotonic(), *ctl._sent))
+    assert ctl._dims[0].bucket and not ctl._dims[1].bucket
+    assert "cap_ms" not in view, view
+    # Once both are buckets, the burst may grow to the smaller of the two.
+    tokens_bucket = ProviderLimits(
+        remaining_requests=1660,
+        reset_requests_s=0.01,
+        remaining_tokens=90_000,
+        reset_tokens_s=0.1,
+    )
+    view = ctl.observe(tokens_bucket, (time.monotonic(), *ctl._sent))
+    assert ctl._dims[1].bucket and view["cap_ms"] > 0, view
+
+
+def test_a_windows_reset_is_counted_from_the_answers_arrival():
+    # A provider that writes its headers as it answers: a request sent 2 s ago whose answer
+    # says the window resets in 0.5 s ends it 0.5 s from now, not 1.5 s ago.
+    ctl = _controller(rpm=600)
+    _answers(ctl, [(t / 10, 100 - t, 10.0 - t / 10) for t in range(0, 30, 3)])
+    assert ctl._dims[0].window
+    sent = time.monotonic() - 2.0
+    view = ctl.observe(
+        ProviderLimits(remaining_requests=10, reset_requests_s=0.5), (sent, *ctl._sent)
+    )
+    assert view["reset_r"] == pytest.approx(520, abs=1), view
+
+
 # -- against the simulator, over HTTP ----------------------------------------------------------
 
 
