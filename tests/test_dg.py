@@ -219,11 +219,9 @@ def test_prices_of_a_dated_snapshot_cached_tokens_and_batch():
 
 
 def test_prices_of_local_servers_configured_and_unknown_models(caplog):
-    local = price_for("gpt-4o-mini", base_url="http://127.0.0.1:8000/v1")
-    assert local is not None and cost_usd(local, 1000, 100) == 0.0
-    assert (
-        price_for("llama-3", base_url="http://gpu-box:8000/v1", provider="vllm").source == "local"
-    )
+    # A local server is not priced (None: "not priced", never a cost of 0).
+    assert price_for("gpt-4o-mini", base_url="http://127.0.0.1:8000/v1") is None
+    assert price_for("llama-3", base_url="http://gpu-box:8000/v1", provider="vllm") is None
     # A hosted profile behind a local gateway is billed.
     assert price_for("gpt-4o-mini", base_url="http://localhost:4000", provider="openai").source == (
         "genai-prices"

@@ -29,18 +29,22 @@ def check_specs(
     *,
     warn_failed_fraction: float = DEFAULT_WARN_FAILED_FRACTION,
     severity: dg.AssetCheckSeverity = dg.AssetCheckSeverity.WARN,
+    partitions_def: dg.PartitionsDefinition | None = None,
 ) -> list[dg.AssetCheckSpec]:
-    """The two checks every materialisation reports for its own partition."""
+    """The two checks every partition's run reports for that partition (partitioned like the
+    asset: one evaluation per partition, a preview feature of Dagster)."""
     return [
         dg.AssetCheckSpec(
             FAILED_FRACTION,
             asset=asset_key,
+            partitions_def=partitions_def,
             description=f"Failed rows of the partition (in the output table) are at most "
             f"{warn_failed_fraction:.1%} of its input rows ({severity.value} otherwise).",
         ),
         dg.AssetCheckSpec(
             ROW_COUNT,
             asset=asset_key,
+            partitions_def=partitions_def,
             description="The output table holds exactly one row per input row of the partition.",
         ),
     ]
