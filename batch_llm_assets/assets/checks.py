@@ -24,6 +24,21 @@ def failed_fraction(summary: dict[str, Any], rows_in: int) -> float:
     return summary["rows_failed"] / rows_in if rows_in else 0.0
 
 
+def failed_rows_table(rows: list[dict[str, Any]]) -> dg.TableMetadataValue:
+    """A sample of failed rows (id, error_class, error, attempts) as the UI shows a table."""
+    return dg.MetadataValue.table(
+        records=[dg.TableRecord(dict(r)) for r in rows],
+        schema=dg.TableSchema(
+            columns=[
+                dg.TableColumn("id", "string"),
+                dg.TableColumn("error_class", "string"),
+                dg.TableColumn("error", "string"),
+                dg.TableColumn("attempts", "int"),
+            ]
+        ),
+    )
+
+
 def check_specs(
     asset_key: dg.AssetKey,
     *,
@@ -60,17 +75,20 @@ def check_results(
     """Results of `check_specs` for one partition, from its `partition_summary`."""
     fraction = failed_fraction(summary, rows_in)
     rows_out = summary["rows_total"]
+    failed_md = {
+        "failed_fraction": dg.MetadataValue.float(round(fraction, 6)),
+        "threshold": dg.MetadataValue.float(warn_failed_fraction),
+        "rows_failed": dg.MetadataValue.int(summary["rows_failed"]),
+        "rows_input": dg.MetadataValue.int(rows_in),
+    }
+    if summary.get("failed_rows"):  # a failed partition has no materialization: list them here
+        failed_md["failed_rows"] = failed_rows_table(summary["failed_rows"])
     return [
         dg.AssetCheckResult(
             check_name=FAILED_FRACTION,
             passed=fraction <= warn_failed_fraction,
             severity=severity,
-            metadata={
-                "failed_fraction": dg.MetadataValue.float(round(fraction, 6)),
-                "threshold": dg.MetadataValue.float(warn_failed_fraction),
-                "rows_failed": dg.MetadataValue.int(summary["rows_failed"]),
-                "rows_input": dg.MetadataValue.int(rows_in),
-            },
+            metadata=failed_md,
         ),
         dg.AssetCheckResult(
             check_name=ROW_COUNT,

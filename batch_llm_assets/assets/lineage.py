@@ -6,6 +6,7 @@ The warehouse resource is not known when definitions load, so its kind comes fro
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import dagster as dg
@@ -94,3 +95,31 @@ def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:
     if spec.params:
         md["batch_llm/params"] = dg.MetadataValue.json(dict(spec.params))
     return md
+
+
+def limits_metadata(llm: Any, pool: str | None = None) -> dict[str, Any]:
+    """The LLM resource's limits as definition metadata (the resource is bound after the asset
+    is built, so the code location adds these: `with_limits_metadata`)."""
+    md: dict[str, Any] = {
+        "batch_llm/rpm": llm.rpm if llm.rpm is not None else "not set",
+        "batch_llm/tpm": llm.tpm if llm.tpm is not None else "not set",
+        "batch_llm/resource_model": llm.model,
+    }
+    if pool is not None:
+        md["batch_llm/pool"] = pool
+    return md
+
+
+def with_limits_metadata(
+    defs: dg.Definitions, llm: Any, selection: dg.AssetSelection | None = None
+) -> dg.Definitions:
+    """`defs` with the resource's rpm, tpm and model on every batch asset's definition."""
+
+    def add(asset_spec: dg.AssetSpec) -> dg.AssetSpec:
+        if SOURCE_TABLE_KEY not in asset_spec.metadata:  # not a batch asset
+            return asset_spec
+        return asset_spec.merge_attributes(metadata=limits_metadata(llm))
+
+    with warnings.catch_warnings():  # map_asset_specs is a preview API: no noise per load
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return defs.map_asset_specs(func=add, selection=selection)

@@ -19,7 +19,7 @@ import dagster as dg
 from ..engine import _constants as C
 from ..engine.engine import ChatResult
 from ..warehouses.base import failed_rows_sql
-from .checks import failed_fraction
+from .checks import failed_fraction, failed_rows_table
 
 
 @dataclass
@@ -159,17 +159,7 @@ def failed_rows_metadata(summary: dict[str, Any], output: str, partition_key: st
         "failed_rows_sql": dg.MetadataValue.md(f"```sql\n{failed_rows_sql(output, literal)}\n```")
     }
     if rows:
-        md["failed_rows"] = dg.MetadataValue.table(
-            records=[dg.TableRecord(dict(r)) for r in rows],
-            schema=dg.TableSchema(
-                columns=[
-                    dg.TableColumn("id", "string"),
-                    dg.TableColumn("error_class", "string"),
-                    dg.TableColumn("error", "string"),
-                    dg.TableColumn("attempts", "int"),
-                ]
-            ),
-        )
+        md["failed_rows"] = failed_rows_table(rows)
     return md
 
 
