@@ -119,6 +119,10 @@ def test_the_asset_definition_records_what_is_known():
     assert types["cost_usd"] == "DOUBLE" and types["completed_at"] == "TIMESTAMPTZ"
     (source,) = [s for s in definitions.defs.assets or [] if isinstance(s, dg.AssetSpec)]
     assert source.metadata["dagster/table_name"] == "news_headlines"
+    # Why (issue 28): no column schema on the source, an empty type icon on the output's id.
+    source_types = {c.name: c.type for c in source.metadata["dagster/column_schema"].columns}
+    assert source_types == {"id": "BIGINT", "published_at": "TIMESTAMPTZ", "headline": "VARCHAR"}
+    assert types["id"] == "BIGINT"
     # One run per partition: a UI backfill of 4 partitions makes 4 runs, each green or red.
     assert asset.backfill_policy == dg.BackfillPolicy.multi_run(1)
     assert md["batch_llm/pool"] == "duckdb/demo" and md["batch_llm/resource_model"]

@@ -51,6 +51,7 @@ class SourceTable:
     id_column: str = "id"
     partition_column: str | None = None
     columns: Sequence[str] = field(default_factory=tuple)
+    column_types: Mapping[str, str] = field(default_factory=dict)
 
 
 def build_llm_batch_asset(
@@ -113,6 +114,7 @@ def build_llm_batch_asset(
             "id_column": source.id_column,
             "partition_column": source.partition_column,
             "columns": list(source.columns),
+            "column_types": dict(source.column_types),
         },
         prompt={"template": prompt.template, "system": prompt.system},
         output=output,

@@ -21,6 +21,7 @@ WAREHOUSE_TYPES = {
     "bigquery": {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"},
 }
 SOURCE_TABLE_KEY = "batch_llm/source_table"
+SOURCE_TYPES_KEY = "batch_llm/source_column_types"
 
 
 def source_key(spec: LlmBatchSpec) -> dg.AssetKey:
@@ -52,8 +53,20 @@ def source_table_spec(asset: dg.AssetsDefinition) -> dg.AssetSpec:
         kinds={kind},
         group_name=asset.group_names_by_key.get(asset.key),
         partitions_def=asset.partitions_def if per_partition else None,
-        metadata={"dagster/table_name": table.replace(TABLE_PER_PARTITION, "<partition_key>")},
+        metadata={
+            "dagster/table_name": table.replace(TABLE_PER_PARTITION, "<partition_key>"),
+            **_source_schema(md.get(SOURCE_TYPES_KEY)),
+        },
     )
+
+
+def _source_schema(types: Any) -> dict[str, Any]:
+    """The source's column schema, when the spec declares its column types."""
+    data = getattr(types, "data", types) or {}
+    if not data:
+        return {}
+    cols = [dg.TableColumn(name, str(kind)) for name, kind in data.items()]
+    return {"dagster/column_schema": dg.TableSchema(columns=cols)}
 
 
 def asset_kinds(spec: LlmBatchSpec) -> set[str]:
@@ -64,6 +77,9 @@ def column_schema(spec: LlmBatchSpec) -> dg.TableSchema:
     """The output columns typed as the warehouse names them (the id keeps the source's type)."""
     types = {c: WAREHOUSE_TYPES[spec.warehouse_kind][t] for c, t in OUTPUT_COLUMNS}
     src = spec.source
+    declared = {k.lower(): v for k, v in src.column_types.items()}
+    if src.id_column.lower() in declared:  # the id keeps the source's type, when declared
+        types[src.id_column] = declared[src.id_column.lower()]
     cols = [
         dg.TableColumn(
             c.name,
@@ -88,6 +104,8 @@ def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:
         "batch_llm/warehouse_kind": spec.warehouse_kind,
         "batch_llm/mode": spec.mode,
     }
+    if spec.source.column_types:
+        md[SOURCE_TYPES_KEY] = dg.MetadataValue.json(dict(spec.source.column_types))
     if spec.prompt.system is not None:
         md["batch_llm/system_prompt"] = spec.prompt.system
     if spec.model is not None:  # else the resource's: recorded on each materialization
