@@ -30,7 +30,7 @@ from typing import Any
 
 import dagster as dg
 
-from .assets.lineage import with_limits_metadata
+from .assets import with_limits_metadata
 from .components import load_defs_folder
 from .resources import LLMResource
 from .resources.duckdb_warehouse import DuckDBWarehouse

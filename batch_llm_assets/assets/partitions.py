@@ -130,15 +130,7 @@ def run_partition(
         metadata["run/stopped_sending"] = dg.MetadataValue.text(stats.aborted)
     if run.served_model and run.served_model != run.model:
         metadata["served_model"] = dg.MetadataValue.text(run.served_model)
-    why = failure_reason(
-        summary, stats.rows_in, max_failed_fraction=spec.max_failed_fraction, aborted=stats.aborted
-    )
-    if why is not None:
-        top = ", ".join(f"{k} ({n})" for k, n in summary["errors"].items()) or "none"
-        why = (
-            f"partition {partition_key}: {why}. Top errors in the partition: {top}. Every row "
-            "was written; rerun the partition to retry only the failed rows."
-        )
+    why = _verdict(summary, stats.rows_in, spec, stats.aborted, partition_key)
     checks = (
         [
             *check_results(summary, stats.rows_in, warn_failed_fraction=spec.warn_failed_fraction),
@@ -148,3 +140,19 @@ def run_partition(
         else []
     )
     return PartitionOutcome(key, metadata, checks, why)
+
+
+def _verdict(
+    summary: dict[str, Any], rows_in: int, spec: LlmBatchSpec, aborted: str | None, key: str
+) -> str | None:
+    """Why the partition fails (too many failed rows in the output table), or None."""
+    why = failure_reason(
+        summary, rows_in, max_failed_fraction=spec.max_failed_fraction, aborted=aborted
+    )
+    if why is None:
+        return None
+    top = ", ".join(f"{k} ({n})" for k, n in summary["errors"].items()) or "none"
+    return (
+        f"partition {key}: {why}. Top errors in the partition: {top}. Every row was written; "
+        "rerun the partition to retry only the failed rows."
+    )
