@@ -8,6 +8,8 @@ is not "100 % failed").
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
@@ -136,3 +138,29 @@ def judge_partition(
         "the partition to retry only the failed rows.",
         metadata=metadata,
     )
+
+
+@dataclass
+class PartitionOutcome:
+    """What one partition's run recorded: metadata, check results and, if it failed, why."""
+
+    key: str | None
+    metadata: dict[str, Any]
+    checks: list[dg.AssetCheckResult] = field(default_factory=list)
+    failure: str | None = None
+
+    def events(self, asset_key: dg.AssetKey) -> Iterator[Any]:
+        """The materialization (a good partition only), then one evaluation per check, each
+        naming the partition."""
+        if self.failure is None:
+            yield dg.AssetMaterialization(asset_key, partition=self.key, metadata=self.metadata)
+        for r in self.checks:
+            yield dg.AssetCheckEvaluation(
+                asset_key=r.asset_key or asset_key,
+                check_name=str(r.check_name),
+                passed=r.passed,
+                metadata=r.metadata,
+                severity=r.severity,
+                description=r.description,
+                partition=self.key,
+            )

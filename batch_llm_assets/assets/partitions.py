@@ -9,8 +9,6 @@ failed) but still records its check evaluations; the others of the same run stay
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
@@ -18,38 +16,12 @@ import dagster as dg
 from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, Warehouse, check_table
-from .checks import check_results, failure_reason
+from .checks import PartitionOutcome, check_results, failure_reason
 from .metadata import Limits, build_metadata
 from .pipeline import PartitionRun, RunSpec
 from .pricing import pricing_label
 from .spec import TABLE_PER_PARTITION, LlmBatchSpec
 from .structured import field_check_results, field_quality, quality_metadata
-
-
-@dataclass
-class PartitionOutcome:
-    """What one partition's run recorded: metadata, check results and, if it failed, why."""
-
-    key: str | None
-    metadata: dict[str, Any]
-    checks: list[dg.AssetCheckResult] = field(default_factory=list)
-    failure: str | None = None
-
-    def events(self, asset_key: dg.AssetKey) -> Iterator[Any]:
-        """The materialization (a good partition only), then one evaluation per check, each
-        naming the partition."""
-        if self.failure is None:
-            yield dg.AssetMaterialization(asset_key, partition=self.key, metadata=self.metadata)
-        for r in self.checks:
-            yield dg.AssetCheckEvaluation(
-                asset_key=r.asset_key or asset_key,
-                check_name=str(r.check_name),
-                passed=r.passed,
-                metadata=r.metadata,
-                severity=r.severity,
-                description=r.description,
-                partition=self.key,
-            )
 
 
 def slice_for(
