@@ -259,3 +259,19 @@ def test_floats_are_rounded_for_display(fresh_sim, db):
             for name, value in latest(instance, key).items():
                 if isinstance(value, float):
                     assert len(repr(value).split(".")[-1]) <= 6, (name, value)
+
+
+def test_null_fraction_checks_are_evaluated_per_partition(fresh_sim, db):
+    schema = {"label": {"type": "enum", "values": ["positive", "negative", "neutral"]}}
+    typed = asset(
+        partitions_per_run=None,
+        output_schema=schema,
+        params={"max_tokens": 80},
+        prompt=Prompt(system="You are a financial analyst.", template="Headline: {{ headline }}"),
+    )
+    fresh_sim.configure(invalid_json=0.0, truncated_json=0.0, refuse=0.0)
+    with dg.instance_for_test() as instance:
+        assert run_range(typed, fresh_sim, db, instance).success
+        evaluations = check_evaluations(instance, "label_null_fraction")
+    assert set(evaluations) == set(KEYS)
+    assert all(e.passed and e.metadata["null_fraction"].value == 0.0 for e in evaluations.values())
