@@ -17,6 +17,7 @@ setting read from the environment (unset: the resource's default):
 | BATCH_LLM_REQUEST_TIMEOUT_S | request_timeout_s |
 | BATCH_LLM_PRICE_INPUT_PER_1M, BATCH_LLM_PRICE_OUTPUT_PER_1M | price_input_per_1m, price_output_per_1m |
 | BATCH_LLM_PRICE_CACHED_INPUT_PER_1M | price_cached_input_per_1m |
+| BATCH_LLM_PRICE_AS_MODEL | price_as_model (default on the simulator: gpt-4o-mini) |
 | REDIS_URL | redis_url (unset: a private embedded Valkey per run) |
 | BATCH_LLM_DUCKDB | the DuckDB warehouse file (default .demo/warehouse.duckdb) |
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 import dagster as dg
 
+from .assets import with_limits_metadata
 from .components import load_defs_folder
 from .resources import LLMResource
 from .resources.duckdb_warehouse import DuckDBWarehouse
@@ -49,6 +51,7 @@ LLM_ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "BATCH_LLM_PRICE_INPUT_PER_1M": ("price_input_per_1m", float),
     "BATCH_LLM_PRICE_OUTPUT_PER_1M": ("price_output_per_1m", float),
     "BATCH_LLM_PRICE_CACHED_INPUT_PER_1M": ("price_cached_input_per_1m", float),
+    "BATCH_LLM_PRICE_AS_MODEL": ("price_as_model", str),
     "REDIS_URL": ("redis_url", str),
 }
 
@@ -72,6 +75,9 @@ def llm_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
     # would fail on a missing variable.
     settings["api_key"] = dg.EnvVar("OPENAI_API_KEY") if env.get("OPENAI_API_KEY") else ""
     settings["job_key"] = "demo"
+    if settings["base_url"] == DEFAULT_BASE_URL and "price_as_model" not in settings:
+        # The simulator stands in for the model it names: show what the run would cost there.
+        settings["price_as_model"] = settings["model"]
     return settings
 
 
@@ -94,7 +100,10 @@ def _load() -> tuple[dg.Definitions, dg.AssetsDefinition, Any]:
         if isinstance(a, dg.AssetsDefinition) and key in a.keys
     )
     job = next(j for j in component_defs.jobs or [] if j.name == "headline_sentiment_job")
-    return dg.Definitions.merge(component_defs, dg.Definitions(resources=_resources())), asset, job
+    resources = _resources()
+    component_defs = with_limits_metadata(component_defs, resources["llm"])
+    asset = next(a for a in component_defs.assets or [] if key in getattr(a, "keys", ()))
+    return dg.Definitions.merge(component_defs, dg.Definitions(resources=resources)), asset, job
 
 
 # `headline_sentiment` (the asset) and `headline_sentiment_job` (its partitioned job, which the

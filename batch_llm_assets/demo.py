@@ -55,7 +55,17 @@ def _env(sim: SimulatorProcess, valkey: EmbeddedValkey) -> dict[str, str]:
         "BATCH_LLM_TPM": str(DEMO_TPM),
         "BATCH_LLM_DUCKDB": str((DEMO_DIR / "warehouse.duckdb").resolve()),
         "REDIS_URL": valkey.url,
+        **_venv_env(),
     }
+
+
+def _venv_env() -> dict[str, str]:
+    """`make dev` runs the venv's Python without activating the venv; dg then warns on every
+    command that the active venv (none) is not the project's. Name the one we run in."""
+    if sys.prefix == sys.base_prefix:
+        return {}
+    bin_dir = str(Path(sys.executable).parent)
+    return {"VIRTUAL_ENV": sys.prefix, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
 
 
 def _prepare() -> None:

@@ -75,7 +75,7 @@ def metadata(result, name="sentiment"):
 
 def test_partition_rows_statuses_and_metadata(fresh_sim, db):
     a = asset()
-    # The simulator is on localhost (priced 0 by default): price it as gpt-4o-mini's list price.
+    # The simulator is on localhost (not priced by default): price it as gpt-4o-mini's list price.
     result = materialize(a, fresh_sim, db, price_input_per_1m=0.15, price_output_per_1m=0.60)
     assert result.success
     md = metadata(result)
@@ -93,7 +93,8 @@ def test_partition_rows_statuses_and_metadata(fresh_sim, db):
         "run/wall_s",
         "run/rows_per_s",
         "run/tokens_per_min",
-        "run/limiter_wait_s",
+        "run/requests_waited_fraction",
+        "run/limiter_wait_mean_s",
         "run/retries",
         "run/http_429",
     ):
@@ -206,11 +207,21 @@ def test_prompt_over_the_context_window_fails_its_row_only(fresh_sim, db):
     assert fresh_sim.stats()["received"] == 58
 
 
-def test_a_local_server_costs_nothing_unless_priced(fresh_sim, db):
-    # Unknown models on a hosted provider cost NULL: tests/test_dg.py::test_prices_*.
+def test_a_local_server_is_not_priced_unless_told(fresh_sim, db):
+    # Why (issue 28): the demo's cost read 0, a number, for a local server that nobody bills;
+    # unpriced, it shows "not priced" and no cost figure.
     md = metadata(materialize(asset(model="sim-1"), fresh_sim, db))
-    assert md["run/cost_usd"] == 0.0 and md["partition/rows_ok"] == 60
-    assert query(db, "SELECT count(*) FROM news_sentiment WHERE cost_usd = 0") == [(60,)]
+    assert "run/cost_usd" not in md and md["partition/rows_ok"] == 60
+    assert md["pricing"] == "pricing: not priced" and "not priced" in md["summary"]
+    assert query(db, "SELECT count(*) FROM news_sentiment WHERE cost_usd IS NULL") == [(60,)]
+
+
+def test_a_stand_in_is_priced_as_the_model_it_names(fresh_sim, db):
+    md = metadata(materialize(asset(), fresh_sim, db, price_as_model="gpt-4o-mini"))
+    expected = (md["run/prompt_tokens"] * 0.15 + md["run/completion_tokens"] * 0.60) / 1e6
+    assert md["run/cost_usd"] == pytest.approx(expected, rel=1e-3) and expected > 0
+    assert md["pricing"] == "pricing: simulated at gpt-4o-mini list prices"
+    assert md["cost_usd_to_date"] == pytest.approx(md["partition/cost_usd"])
 
 
 def test_static_partitions(fresh_sim, tmp_path):

@@ -432,10 +432,22 @@ def test_expired_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
 
 def test_error_file_lines_become_failed_rows_and_a_rerun_resends_only_them(bsim, db):
     batch_config(bsim, line_fail=0.3)
-    result = materialize(asset(), bsim, db)
+    instance = dg.DagsterInstance.ephemeral()
+    result = dg.materialize(
+        [asset()],
+        resources=resources(bsim, db),
+        partition_key="2026-11-01",
+        raise_on_error=False,
+        instance=instance,
+    )
     failed = bsim.stats()["batch_lines_failed"]
     assert 0 < failed < PER_DAY
     assert not result.success  # over max_failed_fraction, after every row was written
+    # The failed partition is checked too, its evaluation naming the partition (issue 28).
+    (record,) = instance.event_log_storage.get_asset_check_execution_history(
+        dg.AssetCheckKey(dg.AssetKey("sentiment"), "failed_fraction"), limit=5
+    )
+    assert record.partition == "2026-11-01" and record.status.value == "FAILED"
     assert statuses(db) == {"ok": PER_DAY - failed, "failed": failed}
     reasons = query(
         db, "SELECT DISTINCT error_class, error FROM news_sentiment WHERE status = 'failed'"

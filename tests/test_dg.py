@@ -119,7 +119,14 @@ def test_the_asset_definition_records_what_is_known():
     assert types["cost_usd"] == "DOUBLE" and types["completed_at"] == "TIMESTAMPTZ"
     (source,) = [s for s in definitions.defs.assets or [] if isinstance(s, dg.AssetSpec)]
     assert source.metadata["dagster/table_name"] == "news_headlines"
-    assert asset.backfill_policy == dg.BackfillPolicy.single_run()  # dg launch --partition-range
+    # Why (issue 28): no column schema on the source, an empty type icon on the output's id.
+    source_types = {c.name: c.type for c in source.metadata["dagster/column_schema"].columns}
+    assert source_types == {"id": "BIGINT", "published_at": "TIMESTAMPTZ", "headline": "VARCHAR"}
+    assert types["id"] == "BIGINT"
+    # One run per partition: a UI backfill of 4 partitions makes 4 runs, each green or red.
+    assert asset.backfill_policy == dg.BackfillPolicy.multi_run(1)
+    assert md["batch_llm/pool"] == "duckdb/demo" and md["batch_llm/resource_model"]
+    assert {"batch_llm/rpm", "batch_llm/tpm"} <= set(md)
 
 
 def test_pools_per_duckdb_file_and_provider_key_and_the_demo_instance_queues_runs():
@@ -219,11 +226,9 @@ def test_prices_of_a_dated_snapshot_cached_tokens_and_batch():
 
 
 def test_prices_of_local_servers_configured_and_unknown_models(caplog):
-    local = price_for("gpt-4o-mini", base_url="http://127.0.0.1:8000/v1")
-    assert local is not None and cost_usd(local, 1000, 100) == 0.0
-    assert (
-        price_for("llama-3", base_url="http://gpu-box:8000/v1", provider="vllm").source == "local"
-    )
+    # A local server is not priced (None: "not priced", never a cost of 0).
+    assert price_for("gpt-4o-mini", base_url="http://127.0.0.1:8000/v1") is None
+    assert price_for("llama-3", base_url="http://gpu-box:8000/v1", provider="vllm") is None
     # A hosted profile behind a local gateway is billed.
     assert price_for("gpt-4o-mini", base_url="http://localhost:4000", provider="openai").source == (
         "genai-prices"
@@ -355,39 +360,40 @@ def test_a_backfill_queues_on_the_duckdb_pool(sim, tmp_path):
         assert later.start_time >= earlier.end_time  # queued until the pool's slot was free
 
 
-def test_dg_launch_of_a_partition_range(sim, tmp_path):
-    """The demo asset (one run for a range): each partition observed with its own figures, the
-    materialization carrying their totals."""
+def test_dg_launch_of_a_demo_partition_records_its_limits_and_simulated_cost(sim, tmp_path):
+    """The demo asset, one run per partition: its own figures, the configured limits and the
+    fractions used, and a cost priced as the model the simulator stands in for. The dg output
+    has no "virtual environment does not match" warning when the venv is named (make dev)."""
+    from batch_llm_assets.demo import _venv_env
+
     db = str(tmp_path / "w.duckdb")
     create_demo_table(db, days=2, per_day=10)
-    extra = {"BATCH_LLM_BASE_URL": sim.url, "OPENAI_API_KEY": SIM_KEY, "BATCH_LLM_DUCKDB": db}
+    extra = {
+        "BATCH_LLM_BASE_URL": sim.url,
+        "OPENAI_API_KEY": SIM_KEY,
+        "BATCH_LLM_DUCKDB": db,
+        "BATCH_LLM_PRICE_AS_MODEL": "gpt-4o-mini",
+        "BATCH_LLM_TPM": "1000000",
+        **_venv_env(),
+    }
+    saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)  # run_dg passes os.environ on
     try:
-        rng = "2026-11-01...2026-11-02"
-        run_dg(
-            ROOT,
-            "launch",
-            "--assets",
-            "headline_sentiment",
-            "--partition-range",
-            rng,
-            tmp_path=tmp_path,
-        )
+        args = ("launch", "--assets", "headline_sentiment", "--partition", "2026-11-02")
+        proc = run_dg(ROOT, *args, tmp_path=tmp_path)
     finally:
-        for key in extra:
-            os.environ.pop(key)
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    assert "does not match" not in proc.stderr + proc.stdout
     with dg.DagsterInstance.from_config(str(tmp_path / "dagster_home")) as instance:
         key = dg.AssetKey("headline_sentiment")
-        observed = instance.fetch_observations(key, limit=10).records
-        per_partition = {r.partition_key: r.asset_observation.metadata for r in observed}
-        assert {k: md["run/rows_ok"].value for k, md in per_partition.items()} == {
-            "2026-11-01": 10,
-            "2026-11-02": 10,
-        }
-        mat = instance.fetch_materializations(key, limit=1).records[0].asset_materialization
-        assert (
-            mat.metadata["run/rows_ok"].value == 20 and mat.metadata["partitions_in_run"].value == 2
-        )
+        (record,) = instance.fetch_materializations(key, limit=10).records
+        md = {k: v.value for k, v in record.asset_materialization.metadata.items()}
+    assert record.partition_key == "2026-11-02"
+    assert md["partition/rows_input"] == md["run/rows_ok"] == 10
+    assert md["pricing"] == "pricing: simulated at gpt-4o-mini list prices"
+    assert md["run/cost_usd"] > 0 and md["cost_usd_to_date"] == md["partition/cost_usd"]
+    assert 0 < md["run/tpm_used_fraction"] < 1
 
 
 def test_the_demo_takes_every_llm_setting_from_the_environment():

@@ -106,6 +106,21 @@ def test_a_deterministic_500_trips_the_breaker_instead_of_retrying_every_row(fre
     assert fresh_sim.stats()["received"] <= 40
 
 
+def test_rows_stopped_by_the_breaker_keep_their_first_real_error(fresh_sim):
+    # Why (issue 28): 13 of 20 failed rows read `aborted` although they had been sent and had
+    # failed with a real error before the run stopped.
+    fresh_sim.configure(fail_param="response_format")
+    llm = make(fresh_sim, max_concurrency=4, params={"response_format": {"type": "json_object"}})
+    results, engine = run_engine(llm, [ChatRequest(i, user(f"r{i}")) for i in range(40)])
+    assert engine.aborted_reason
+    sent = [r for r in results.values() if r.attempts > 0]
+    unsent = [r for r in results.values() if r.attempts == 0]
+    assert sent and unsent
+    assert all(r.error_class == "server_error" and "HTTP 500" in r.error_message for r in sent)
+    assert all(r.error_class == "aborted" for r in unsent)
+    assert all(r.error_message.startswith("aborted: the run stopped after ") for r in unsent)
+
+
 def test_transient_500s_keep_their_retries(fresh_sim):
     fresh_sim.configure(fail_500=0.3, seed=3)
     results, engine = run_engine(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 from datetime import UTC, datetime
 
@@ -189,7 +190,31 @@ def test_sensor_errors_are_clear(incoming):
     )
     with dg.instance_for_test() as instance:
         result = tick(sensor, instance, incoming)
-        assert "'missing' does not exist" in result.skip_message
+        assert "'missing' does not exist" in result.skip_reason.skip_message
+
+
+def test_a_missing_dataset_is_warned_about_once_not_every_tick(incoming):
+    # Why (issue 28): the sensor logged a missing dataset at ERROR level on every tick.
+    sensor = build_new_input_tables_sensor(
+        asset=table_asset(), dataset="missing", table_pattern=".*"
+    )
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append  # type: ignore[method-assign]
+    resources = {"warehouse": DuckDBWarehouse(database=incoming), "llm": LLMResource()}
+    defs = dg.Definitions(assets=[table_asset()], sensors=[sensor], resources=resources)
+    cursor = None
+    with dg.instance_for_test() as instance:
+        for _ in range(3):
+            with dg.build_sensor_context(
+                instance=instance, cursor=cursor, resources=resources, definitions=defs
+            ) as ctx:
+                ctx.log.addHandler(handler)
+                result = sensor(ctx)
+            assert "'missing' does not exist" in result.skip_reason.skip_message
+            cursor = result.cursor
+    said = [r for r in said if "'missing' does not exist" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING]
 
 
 def test_schedule_targets_the_latest_complete_day():
@@ -208,9 +233,32 @@ def test_schedule_targets_the_latest_complete_day():
     )
     resolved = defs.get_schedule_def("daily_sentiment_latest_partition")
     assert resolved.cron_schedule == "0 2 * * *"
-    ctx = dg.build_schedule_context(scheduled_execution_time=datetime(2026, 11, 5, 2, tzinfo=UTC))
+    ctx = dg.build_schedule_context(
+        scheduled_execution_time=datetime(2026, 11, 5, 2, tzinfo=UTC),
+        repository_def=defs.get_repository_def(),
+    )
     requests = resolved.evaluate_tick(ctx).run_requests
     assert [r.partition_key for r in requests] == ["2026-11-04"]
+
+
+def test_the_demo_schedule_targets_partitions_inside_the_demos_range():
+    # Why (issue 28): the next tick targeted a partition after the demo's end_date.
+    from batch_llm_assets import definitions
+
+    schedule = definitions.defs.get_schedule_def("headline_sentiment_latest_partition")
+    keys = set(definitions.demo_partitions.get_partition_keys())
+    for when in (datetime(2026, 11, 5, 1, tzinfo=UTC), datetime(2027, 3, 1, 1, tzinfo=UTC)):
+        ctx = dg.build_schedule_context(
+            scheduled_execution_time=when,
+            repository_def=definitions.defs.get_repository_def(),
+        )
+        (request,) = schedule.evaluate_tick(ctx).run_requests
+        assert request.partition_key in keys
+    early = dg.build_schedule_context(
+        scheduled_execution_time=datetime(2026, 10, 1, 1, tzinfo=UTC),
+        repository_def=definitions.defs.get_repository_def(),
+    )
+    assert not schedule.evaluate_tick(early).run_requests  # nothing has closed yet: a skip
 
 
 class _Receiver(http.server.BaseHTTPRequestHandler):
@@ -300,7 +348,7 @@ def test_notification_posts_the_runs_figures_with_retries(receiver, fresh_sim, t
     assert len(_Receiver.posts) == 2
     success, failure = (p["text"] for p in _Receiver.posts)
     assert "success" in success and "sentiment [2026-11-01]: 20 ok, 0 failed" in success
-    assert "cost $0.00" in success
+    assert "cost not priced" in success  # the simulator is a local server: not priced
     assert f"http://dagster.example:3000/runs/{ok.dagster_run.run_id}" in success
     assert "failure" in failure and "0 ok, 20 failed" in failure
     for text in (success, failure):

@@ -2,7 +2,7 @@
 
 from .checks import DEFAULT_WARN_FAILED_FRACTION
 from .factory import SourceTable, build_asset_from_spec, build_llm_batch_asset
-from .lineage import source_table_spec
+from .lineage import source_table_spec, with_limits_metadata
 from .pricing import Price, cost_usd, price_for
 from .prompt import Prompt, PromptError
 from .spec import LlmBatchConfigError, LlmBatchSpec
@@ -20,4 +20,5 @@ __all__ = [
     "cost_usd",
     "price_for",
     "source_table_spec",
+    "with_limits_metadata",
 ]

@@ -23,12 +23,12 @@ from ..engine.engine import ChatResult
 from ..engine.outcome import classify_answer
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, Warehouse, check_table
-from .checks import check_results, judge_partition
+from .checks import PartitionOutcome, check_results, failure_reason, judge_partition
 from .journal import default_journal_dir, journal_key
 from .lease import partition_lease
-from .metadata import RunStats, build_metadata
+from .metadata import Limits, RunStats, build_metadata
 from .pipeline import RunSpec
-from .pricing import cost_usd, price_for_resource
+from .pricing import cost_usd, price_for_resource, pricing_label
 from .structured import OutputSchema, field_check_results, field_quality, quality_metadata
 
 # OpenAI's and Azure OpenAI's batch list price is half the live one. The dagster helper moves
@@ -286,16 +286,16 @@ def materialize_batch_partition(
             quality = field_quality(session, output, partition_key, typed.names) if typed else {}
         except E.BatchLLMError as exc:
             raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
-    metadata = build_metadata(stats, summary=summary, model=run.model, output=output)
+    metadata = build_metadata(
+        stats,
+        summary=summary,
+        model=run.model,
+        output=output,
+        partition_key=partition_key,
+        limits=Limits(rpm=llm.rpm, tpm=llm.tpm),
+        pricing=pricing_label(getattr(run, "price", None)),
+    )
     metadata.update(batch_metadata(stats, settings))
-    if not stats.batches_open:  # wait=False: rows still queued are not failures yet
-        judge_partition(
-            summary,
-            stats.rows_in,
-            max_failed_fraction=max_failed_fraction,
-            aborted=stats.aborted,
-            metadata=metadata,
-        )
     # With batches still open the checks say what the output holds now (rows still queued are
     # missing); the completion sensor's materialisation checks the partition again.
     metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
@@ -307,6 +307,21 @@ def materialize_batch_partition(
         if checks
         else []
     )
+    if not stats.batches_open:  # wait=False: rows still queued are not failures yet
+        why = failure_reason(
+            summary, stats.rows_in, max_failed_fraction=max_failed_fraction, aborted=stats.aborted
+        )
+        if why is not None:  # a failed partition is checked too (its evaluations, then fail)
+            key = partition_key if context.has_partition_key else None
+            for event in PartitionOutcome(key, metadata, results, why).events(context.asset_key):
+                context.log_event(event)
+            judge_partition(
+                summary,
+                stats.rows_in,
+                max_failed_fraction=max_failed_fraction,
+                aborted=stats.aborted,
+                metadata=metadata,
+            )
     return dg.MaterializeResult(metadata=metadata, check_results=results)
 
 

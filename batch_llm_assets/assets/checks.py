@@ -8,6 +8,8 @@ is not "100 % failed").
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
@@ -24,23 +26,42 @@ def failed_fraction(summary: dict[str, Any], rows_in: int) -> float:
     return summary["rows_failed"] / rows_in if rows_in else 0.0
 
 
+def failed_rows_table(rows: list[dict[str, Any]]) -> dg.TableMetadataValue:
+    """A sample of failed rows (id, error_class, error, attempts) as the UI shows a table."""
+    return dg.MetadataValue.table(
+        records=[dg.TableRecord(dict(r)) for r in rows],
+        schema=dg.TableSchema(
+            columns=[
+                dg.TableColumn("id", "string"),
+                dg.TableColumn("error_class", "string"),
+                dg.TableColumn("error", "string"),
+                dg.TableColumn("attempts", "int"),
+            ]
+        ),
+    )
+
+
 def check_specs(
     asset_key: dg.AssetKey,
     *,
     warn_failed_fraction: float = DEFAULT_WARN_FAILED_FRACTION,
     severity: dg.AssetCheckSeverity = dg.AssetCheckSeverity.WARN,
+    partitions_def: dg.PartitionsDefinition | None = None,
 ) -> list[dg.AssetCheckSpec]:
-    """The two checks every materialisation reports for its own partition."""
+    """The two checks every partition's run reports for that partition (partitioned like the
+    asset: one evaluation per partition, a preview feature of Dagster)."""
     return [
         dg.AssetCheckSpec(
             FAILED_FRACTION,
             asset=asset_key,
+            partitions_def=partitions_def,
             description=f"Failed rows of the partition (in the output table) are at most "
             f"{warn_failed_fraction:.1%} of its input rows ({severity.value} otherwise).",
         ),
         dg.AssetCheckSpec(
             ROW_COUNT,
             asset=asset_key,
+            partitions_def=partitions_def,
             description="The output table holds exactly one row per input row of the partition.",
         ),
     ]
@@ -56,17 +77,20 @@ def check_results(
     """Results of `check_specs` for one partition, from its `partition_summary`."""
     fraction = failed_fraction(summary, rows_in)
     rows_out = summary["rows_total"]
+    failed_md = {
+        "failed_fraction": dg.MetadataValue.float(round(fraction, 6)),
+        "threshold": dg.MetadataValue.float(warn_failed_fraction),
+        "rows_failed": dg.MetadataValue.int(summary["rows_failed"]),
+        "rows_input": dg.MetadataValue.int(rows_in),
+    }
+    if summary.get("failed_rows"):  # a failed partition has no materialization: list them here
+        failed_md["failed_rows"] = failed_rows_table(summary["failed_rows"])
     return [
         dg.AssetCheckResult(
             check_name=FAILED_FRACTION,
             passed=fraction <= warn_failed_fraction,
             severity=severity,
-            metadata={
-                "failed_fraction": dg.MetadataValue.float(round(fraction, 6)),
-                "threshold": dg.MetadataValue.float(warn_failed_fraction),
-                "rows_failed": dg.MetadataValue.int(summary["rows_failed"]),
-                "rows_input": dg.MetadataValue.int(rows_in),
-            },
+            metadata=failed_md,
         ),
         dg.AssetCheckResult(
             check_name=ROW_COUNT,
@@ -114,3 +138,29 @@ def judge_partition(
         "the partition to retry only the failed rows.",
         metadata=metadata,
     )
+
+
+@dataclass
+class PartitionOutcome:
+    """What one partition's run recorded: metadata, check results and, if it failed, why."""
+
+    key: str | None
+    metadata: dict[str, Any]
+    checks: list[dg.AssetCheckResult] = field(default_factory=list)
+    failure: str | None = None
+
+    def events(self, asset_key: dg.AssetKey) -> Iterator[Any]:
+        """The materialization (a good partition only), then one evaluation per check, each
+        naming the partition."""
+        if self.failure is None:
+            yield dg.AssetMaterialization(asset_key, partition=self.key, metadata=self.metadata)
+        for r in self.checks:
+            yield dg.AssetCheckEvaluation(
+                asset_key=r.asset_key or asset_key,
+                check_name=str(r.check_name),
+                passed=r.passed,
+                metadata=r.metadata,
+                severity=r.severity,
+                description=r.description,
+                partition=self.key,
+            )

@@ -2,22 +2,21 @@
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
 from pydantic import BaseModel
 
-from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
-from ..warehouses.base import SliceFilter, SourceRef, Warehouse, check_table
+from ..warehouses.base import SourceRef, Warehouse
 from .batch_mode import BatchSettings
 from .batch_results import materialize_batch_partition
-from .checks import DEFAULT_WARN_FAILED_FRACTION, check_results, check_specs, judge_partition
+from .checks import DEFAULT_WARN_FAILED_FRACTION, check_specs
 from .lineage import asset_kinds, definition_metadata, source_key
-from .metadata import build_metadata
-from .pipeline import PartitionRun, RunSpec
+from .partitions import partition_source, run_partition
+from .pipeline import RunSpec
 from .prompt import DEFAULT_RENDER_TIMEOUT_S, CompiledPrompt, Prompt
 from .schema import output_table
 from .spec import (
@@ -27,13 +26,7 @@ from .spec import (
     LlmBatchSpec,
     at,
 )
-from .structured import (
-    OutputSchema,
-    field_check_results,
-    field_check_specs,
-    field_quality,
-    quality_metadata,
-)
+from .structured import OutputSchema, field_check_specs
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
@@ -58,22 +51,7 @@ class SourceTable:
     id_column: str = "id"
     partition_column: str | None = None
     columns: Sequence[str] = field(default_factory=tuple)
-
-
-def _slice_for(
-    context: dg.AssetExecutionContext, key: str | None, column: str | None, per_partition: bool
-) -> SliceFilter:
-    if key is None:
-        return SliceFilter()
-    if per_partition:
-        return SliceFilter(label=key)
-    if column is None:
-        raise BatchLLMError(description="A partitioned asset needs source.partition_column.")
-    pdef = context.assets_def.partitions_def
-    if isinstance(pdef, dg.TimeWindowPartitionsDefinition):
-        window = pdef.time_window_for_partition_key(key)
-        return SliceFilter(column=column, start=window.start, end=window.end, label=key)
-    return SliceFilter(column=column, value=key, label=key)
+    column_types: Mapping[str, str] = field(default_factory=dict)
 
 
 def build_llm_batch_asset(
@@ -136,6 +114,7 @@ def build_llm_batch_asset(
             "id_column": source.id_column,
             "partition_column": source.partition_column,
             "columns": list(source.columns),
+            "column_types": dict(source.column_types),
         },
         prompt={"template": prompt.template, "system": prompt.system},
         output=output,
@@ -204,121 +183,99 @@ def build_asset_from_spec(
     ]
 
     asset_key = dg.AssetKey([*(spec.key_prefix or []), spec.name])
-    specs = (
-        [
-            *check_specs(asset_key, warn_failed_fraction=spec.warn_failed_fraction),
-            *field_check_specs(asset_key, typed),  # typed outputs: NULL fraction per field
-        ]
-        if spec.checks
-        else None
-    )
-    with warnings.catch_warnings():  # backfill_policy is a beta parameter: no noise per load
+    pdef = partitions_def or spec.partitions_def()
+    # backfill_policy is a beta parameter, partitioned checks a preview: no noise per load.
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
-        asset = dg.asset(
-            name=spec.name,
-            key_prefix=list(spec.key_prefix) if spec.key_prefix else None,
-            partitions_def=partitions_def or spec.partitions_def(),
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        specs = (
+            [  # partitioned checks: one evaluation per partition, each showing its partition
+                *check_specs(
+                    asset_key, warn_failed_fraction=spec.warn_failed_fraction, partitions_def=pdef
+                ),
+                *field_check_specs(asset_key, typed, pdef),  # typed outputs: NULL per field
+            ]
+            if spec.checks
+            else None
+        )
+        # A multi_asset of one asset, subsettable: each partition's materialization and
+        # check evaluations are events with their own figures and partition
+        # (assets/partitions.py). The step's output would record the same metadata on every
+        # partition of a range, and required check outputs would take one result per step.
+        asset = dg.multi_asset(
+            name=asset_key.to_python_identifier(),
+            specs=[
+                dg.AssetSpec(
+                    asset_key,
+                    skippable=True,
+                    group_name=spec.group_name,
+                    description=spec.description
+                    or f"LLM answers for every row of {src.table}, written to {output}.",
+                    deps=list(dict.fromkeys(deps)),
+                    tags=dict(spec.tags or {}),
+                    owners=list(spec.owners) if spec.owners else None,
+                    kinds=asset_kinds(spec),
+                    metadata=definition_metadata(spec),
+                )
+            ],
+            partitions_def=pdef,
             backfill_policy=spec.backfill_policy(),
             pool=spec.pool_name,
             required_resource_keys={llm_key, warehouse_key},
-            group_name=spec.group_name,
-            description=spec.description
-            or f"LLM answers for every row of {src.table}, written to {output}.",
-            deps=list(dict.fromkeys(deps)),
-            tags=dict(spec.tags or {}),
-            owners=list(spec.owners) if spec.owners else None,
-            kinds=asset_kinds(spec),
-            metadata=definition_metadata(spec),
             check_specs=specs,
+            can_subset=True,
         )
 
-    def _asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    def _asset(context: dg.AssetExecutionContext) -> Iterator[Any]:
         llm: LLMResource = getattr(context.resources, llm_key)
         warehouse: Warehouse = getattr(context.resources, warehouse_key)
-        if not context.assets_def.partitions_def or len(context.partition_keys) == 1:
-            key = context.partition_key if context.assets_def.partitions_def else None
-            if spec.mode == "batch":  # the Batch API path (assets/batch_mode.py)
-                return _run_batch_partition(context, key, llm, warehouse, run_spec, spec)
-            metadata, results = _run_partition(context, key, llm, warehouse, run_spec, spec)
-            return dg.MaterializeResult(metadata=metadata, check_results=results)
-        return _run_range(context, llm, warehouse, run_spec, spec)
+        partitioned = context.assets_def.partitions_def is not None
+        if spec.mode == "batch" and (not partitioned or len(context.partition_keys) == 1):
+            key = context.partition_key if partitioned else None
+            # the Batch API path (assets/batch_mode.py)
+            yield _run_batch_partition(context, key, llm, warehouse, run_spec, spec)
+            return
+        yield from _run_partitions(context, llm, warehouse, run_spec, spec)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         return asset(_asset)
 
 
-def _run_range(
+def _run_partitions(
     context: dg.AssetExecutionContext,
     llm: LLMResource,
     warehouse: Warehouse,
     run_spec: RunSpec,
     spec: LlmBatchSpec,
-) -> dg.MaterializeResult:
-    """Several partitions in one run (partitions_per_run > 1, or None for a whole range, as
-    `dg launch --partition-range` needs). Each partition runs on its own and is observed with
-    its own figures; the run's materialization carries their totals (Dagster records it for
-    every partition of the range)."""
-    done: list[dict[str, Any]] = []
+) -> Iterator[Any]:
+    """Each partition of the run (one, or a range: partitions_per_run > 1, or None as
+    `dg launch --partition-range` needs) runs on its own and records its own materialization
+    and checks. A bad partition does not take the good ones of the same run down with it:
+    they are materialized as they finish; the step fails at the end, naming the bad ones."""
+    keys = list(context.partition_keys) if context.assets_def.partitions_def else [None]
     failed: list[str] = []
-    last_results: list[dg.AssetCheckResult] = []
-    for key in context.partition_keys:
+    for key in keys:
         try:
-            metadata, last_results = _run_partition(context, key, llm, warehouse, run_spec, spec)
-        except dg.Failure as exc:
+            outcome = run_partition(context, key, llm, warehouse, run_spec, spec)
+        except dg.Failure as exc:  # could not run: nothing to judge, no checks
+            if len(keys) == 1:
+                raise
             context.log.error(f"partition {key}: {exc.description}")
-            failed.append(key)
+            failed.append(f"{key}: {exc.description}")
             continue
-        context.log_event(dg.AssetObservation(context.asset_key, partition=key, metadata=metadata))
-        done.append(metadata)
+        yield from outcome.events(context.asset_key)
+        if outcome.failure is None:
+            continue
+        if len(keys) == 1:
+            raise dg.Failure(description=outcome.failure, metadata=outcome.metadata)
+        context.log.error(outcome.failure)
+        failed.append(outcome.failure)
     if failed:
         raise dg.Failure(
-            description=f"{len(failed)} of {len(context.partition_keys)} partitions failed: "
-            f"{', '.join(failed[:10])}. Rerun them to retry only their failed rows."
+            description=f"{len(failed)} of {len(keys)} partitions failed; the others are "
+            f"materialized. {' | '.join(failed[:5])}"
         )
-    # One materialization covers the range; its checks carry the last partition's figures (each
-    # partition's own figures are in its observation).
-    return dg.MaterializeResult(metadata=range_totals(done), check_results=last_results)
-
-
-_SUMMED = {"run/cost_usd", "run/wall_s", "run/limiter_wait_s", "partition/cost_usd"}
-
-
-def range_totals(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One materialization's metadata for several partitions: counts (and cost, time) summed,
-    other figures at their worst (max), text from the last."""
-    totals: dict[str, Any] = {"partitions_in_run": dg.MetadataValue.int(len(parts))}
-    for md in parts:
-        for key, value in md.items():
-            prev = totals.get(key)
-            if isinstance(value, dg.IntMetadataValue) and isinstance(prev, dg.IntMetadataValue):
-                totals[key] = dg.MetadataValue.int(prev.value + value.value)
-            elif isinstance(value, dg.FloatMetadataValue) and isinstance(
-                prev, dg.FloatMetadataValue
-            ):
-                merged = (
-                    prev.value + value.value if key in _SUMMED else max(prev.value, value.value)
-                )
-                totals[key] = dg.MetadataValue.float(merged)
-            else:
-                totals[key] = value
-    return totals
-
-
-def _partition_source(
-    context: dg.AssetExecutionContext, key: str | None, run_spec: RunSpec, spec: LlmBatchSpec
-) -> tuple[SliceFilter, str, RunSpec]:
-    """The slice, partition key and run spec of one partition (a table per partition: its own)."""
-    src = spec.source
-    where = _slice_for(context, key, src.partition_column, src.per_partition)
-    partition_key = key or "__all__"
-    if src.per_partition:  # the partition names the table; checked like any table name
-        table = src.table.replace(TABLE_PER_PARTITION, partition_key)
-        check_table(table)
-        run_spec = dataclasses.replace(
-            run_spec, source=dataclasses.replace(run_spec.source, table=table)
-        )
-    return where, partition_key, run_spec
 
 
 def _run_batch_partition(
@@ -329,7 +286,7 @@ def _run_batch_partition(
     run_spec: RunSpec,
     spec: LlmBatchSpec,
 ) -> dg.MaterializeResult:
-    where, partition_key, run_spec = _partition_source(context, key, run_spec, spec)
+    where, partition_key, run_spec = partition_source(context, key, run_spec, spec)
     return materialize_batch_partition(
         context,
         run_spec,
@@ -342,59 +299,3 @@ def _run_batch_partition(
         checks=spec.checks,
         warn_failed_fraction=spec.warn_failed_fraction,
     )
-
-
-def _run_partition(
-    context: dg.AssetExecutionContext,
-    key: str | None,
-    llm: LLMResource,
-    warehouse: Warehouse,
-    run_spec: RunSpec,
-    spec: LlmBatchSpec,
-) -> tuple[dict[str, Any], list[dg.AssetCheckResult]]:
-    """Run one partition (or the whole table): its materialisation metadata and check results,
-    judged on the partition as the output table now holds it."""
-    where, partition_key, run_spec = _partition_source(context, key, run_spec, spec)
-    try:
-        with warehouse.session() as session:
-            run = PartitionRun(
-                run_spec,
-                llm,
-                session,
-                where,
-                partition_key,
-                context.log,
-                warehouse.identity(),
-                run_id=context.run_id,
-            )
-            stats = run.run()
-            summary = session.partition_summary(spec.output, partition_key)
-            typed = run_spec.output_schema
-            quality = (
-                field_quality(session, spec.output, partition_key, typed.names) if typed else {}
-            )
-    except BatchLLMError as exc:  # the engine's and warehouses' own errors, as Dagster's
-        raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
-    metadata = build_metadata(stats, summary=summary, model=run.model, output=spec.output)
-    metadata.update(quality_metadata(quality))  # typed outputs: NULL fraction per field
-    if stats.aborted:
-        context.log.warning(f"partition {partition_key}: sending stopped early: {stats.aborted}")
-        metadata["run/stopped_sending"] = dg.MetadataValue.text(stats.aborted)
-    if run.served_model and run.served_model != run.model:
-        metadata["served_model"] = dg.MetadataValue.text(run.served_model)
-    judge_partition(
-        summary,
-        stats.rows_in,
-        max_failed_fraction=spec.max_failed_fraction,
-        aborted=stats.aborted,
-        metadata=metadata,
-    )
-    results = (
-        [
-            *check_results(summary, stats.rows_in, warn_failed_fraction=spec.warn_failed_fraction),
-            *field_check_results(context.asset_key, quality, spec.warn_failed_fraction),
-        ]
-        if spec.checks
-        else []
-    )
-    return metadata, results

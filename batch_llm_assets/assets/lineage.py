@@ -6,6 +6,7 @@ The warehouse resource is not known when definitions load, so its kind comes fro
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import dagster as dg
@@ -20,6 +21,7 @@ WAREHOUSE_TYPES = {
     "bigquery": {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"},
 }
 SOURCE_TABLE_KEY = "batch_llm/source_table"
+SOURCE_TYPES_KEY = "batch_llm/source_column_types"
 
 
 def source_key(spec: LlmBatchSpec) -> dg.AssetKey:
@@ -51,8 +53,20 @@ def source_table_spec(asset: dg.AssetsDefinition) -> dg.AssetSpec:
         kinds={kind},
         group_name=asset.group_names_by_key.get(asset.key),
         partitions_def=asset.partitions_def if per_partition else None,
-        metadata={"dagster/table_name": table.replace(TABLE_PER_PARTITION, "<partition_key>")},
+        metadata={
+            "dagster/table_name": table.replace(TABLE_PER_PARTITION, "<partition_key>"),
+            **_source_schema(md.get(SOURCE_TYPES_KEY)),
+        },
     )
+
+
+def _source_schema(types: Any) -> dict[str, Any]:
+    """The source's column schema, when the spec declares its column types."""
+    data = getattr(types, "data", types) or {}
+    if not data:
+        return {}
+    cols = [dg.TableColumn(name, str(kind)) for name, kind in data.items()]
+    return {"dagster/column_schema": dg.TableSchema(columns=cols)}
 
 
 def asset_kinds(spec: LlmBatchSpec) -> set[str]:
@@ -63,6 +77,9 @@ def column_schema(spec: LlmBatchSpec) -> dg.TableSchema:
     """The output columns typed as the warehouse names them (the id keeps the source's type)."""
     types = {c: WAREHOUSE_TYPES[spec.warehouse_kind][t] for c, t in OUTPUT_COLUMNS}
     src = spec.source
+    declared = {k.lower(): v for k, v in src.column_types.items()}
+    if src.id_column.lower() in declared:  # the id keeps the source's type, when declared
+        types[src.id_column] = declared[src.id_column.lower()]
     cols = [
         dg.TableColumn(
             c.name,
@@ -87,6 +104,8 @@ def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:
         "batch_llm/warehouse_kind": spec.warehouse_kind,
         "batch_llm/mode": spec.mode,
     }
+    if spec.source.column_types:
+        md[SOURCE_TYPES_KEY] = dg.MetadataValue.json(dict(spec.source.column_types))
     if spec.prompt.system is not None:
         md["batch_llm/system_prompt"] = spec.prompt.system
     if spec.model is not None:  # else the resource's: recorded on each materialization
@@ -94,3 +113,31 @@ def definition_metadata(spec: LlmBatchSpec) -> dict[str, Any]:
     if spec.params:
         md["batch_llm/params"] = dg.MetadataValue.json(dict(spec.params))
     return md
+
+
+def limits_metadata(llm: Any, pool: str | None = None) -> dict[str, Any]:
+    """The LLM resource's limits as definition metadata (the resource is bound after the asset
+    is built, so the code location adds these: `with_limits_metadata`)."""
+    md: dict[str, Any] = {
+        "batch_llm/rpm": llm.rpm if llm.rpm is not None else "not set",
+        "batch_llm/tpm": llm.tpm if llm.tpm is not None else "not set",
+        "batch_llm/resource_model": llm.model,
+    }
+    if pool is not None:
+        md["batch_llm/pool"] = pool
+    return md
+
+
+def with_limits_metadata(
+    defs: dg.Definitions, llm: Any, selection: dg.AssetSelection | None = None
+) -> dg.Definitions:
+    """`defs` with the resource's rpm, tpm and model on every batch asset's definition."""
+
+    def add(asset_spec: dg.AssetSpec) -> dg.AssetSpec:
+        if SOURCE_TABLE_KEY not in asset_spec.metadata:  # not a batch asset
+            return asset_spec
+        return asset_spec.merge_attributes(metadata=limits_metadata(llm))
+
+    with warnings.catch_warnings():  # map_asset_specs is a preview API: no noise per load
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return defs.map_asset_specs(func=add, selection=selection)

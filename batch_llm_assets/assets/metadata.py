@@ -3,7 +3,9 @@
 `partition/*` entries are read from the output table, so an unchanged partition plots flat
 however many reruns skip it; `run/*` entries describe this run alone. Every key says its unit
 (`_s`, `_ms`, `_usd`, `rows_`, `_tokens`), because Dagster shows the key as the label. A cost
-that cannot be known (no price for the model) is left out, never written as text.
+that cannot be known (no price for the model) is left out of the numbers and shown as "not
+priced" in the text, never as 0. Floats are rounded for display; plotted figures keep enough
+digits to plot.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any
 
 import dagster as dg
 
+from ..engine import _constants as C
 from ..engine.engine import ChatResult
-from .checks import failed_fraction
+from ..warehouses.base import failed_rows_sql
+from .checks import failed_fraction, failed_rows_table
 
 
 @dataclass
@@ -30,7 +34,9 @@ class RunStats:
     cost_usd: float | None = 0.0
     retries: int = 0
     http_429: int = 0
-    rate_limit_wait_s: float = 0.0
+    rate_limit_wait_s: float = 0.0  # wall time while any request waited (engine.limiter_wait_s)
+    requests_waited: int = 0  # sent rows that waited for the limiter at all
+    request_wait_s: float = 0.0  # the sum of those waits, over rows
     latencies: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
@@ -54,6 +60,9 @@ class RunStats:
             self.cost_usd = None if cost is None else self.cost_usd + cost
         self.retries += max(0, r.attempts - 1)
         self.http_429 += r.http_429
+        if r.attempts and r.rate_limit_wait_s > C.LIMITER_WAITED_S:
+            self.requests_waited += 1
+            self.request_wait_s += r.rate_limit_wait_s
         if r.latency_ms is not None:
             self.latencies.append(r.latency_ms)
 
@@ -84,7 +93,36 @@ def partition_metadata(summary: dict[str, Any], rows_in: int) -> dict[str, Any]:
     return md
 
 
-def run_metadata(stats: RunStats) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Limits:
+    """The LLM resource's configured limits, against which a run's use is stated."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+def _usage_metadata(stats: RunStats, limits: Limits | None) -> dict[str, Any]:
+    """How close the run came to the configured limits, and how much it waited for them: the
+    share of sent requests that waited and their mean wait (a wall time "while any request
+    waited" reads as the run's waiting share, which it is not)."""
+    wall = max(stats.wall_s, 1e-9)
+    sent = stats.sent
+    md: dict[str, Any] = {
+        "run/requests_waited_fraction": _float(stats.requests_waited / sent if sent else 0.0, 4),
+        "run/limiter_wait_mean_s": _float(
+            stats.request_wait_s / stats.requests_waited if stats.requests_waited else 0.0
+        ),
+    }
+    tokens_per_min = (stats.prompt_tokens + stats.completion_tokens) / wall * 60
+    requests_per_min = (sent + stats.retries) / wall * 60
+    if limits is not None and limits.tpm:
+        md["run/tpm_used_fraction"] = _float(tokens_per_min / limits.tpm, 4)
+    if limits is not None and limits.rpm:
+        md["run/rpm_used_fraction"] = _float(requests_per_min / limits.rpm, 4)
+    return md
+
+
+def run_metadata(stats: RunStats, limits: Limits | None = None) -> dict[str, Any]:
     """What this run did: rows sent and skipped, its tokens and cost, time, waits, 429s."""
     wall = max(stats.wall_s, 1e-9)
     sent = stats.sent  # rows failed before sending (an empty prompt, a template) are not sent
@@ -99,7 +137,7 @@ def run_metadata(stats: RunStats) -> dict[str, Any]:
         "run/wall_s": _float(stats.wall_s),
         "run/rows_per_s": _float(sent / wall, 2),
         "run/tokens_per_min": _float(tokens / wall * 60, 1),
-        "run/limiter_wait_s": _float(stats.rate_limit_wait_s),
+        **_usage_metadata(stats, limits),
         "run/http_429": dg.MetadataValue.int(stats.http_429),
         "run/retries": dg.MetadataValue.int(stats.retries),
     }
@@ -113,19 +151,44 @@ def run_metadata(stats: RunStats) -> dict[str, Any]:
     return md
 
 
-def build_metadata(
-    stats: RunStats, *, summary: dict[str, Any], model: str, output: str
-) -> dict[str, Any]:
-    """Every entry of a materialisation (or of its failure): partition, run, model, summary."""
-    rows_in = stats.rows_in
-    md = {**partition_metadata(summary, rows_in), **run_metadata(stats)}
-    md["model"] = dg.MetadataValue.text(model)
-    md["summary"] = dg.MetadataValue.md(_summary_text(stats, summary, rows_in, output))
+def failed_rows_metadata(summary: dict[str, Any], output: str, partition_key: str) -> dict:
+    """Up to FAILED_ROWS_SAMPLE failed rows of the partition, and the SQL that lists them all."""
+    rows = summary.get("failed_rows") or []
+    literal = "'" + partition_key.replace("'", "''") + "'"
+    md: dict[str, Any] = {
+        "failed_rows_sql": dg.MetadataValue.md(f"```sql\n{failed_rows_sql(output, literal)}\n```")
+    }
+    if rows:
+        md["failed_rows"] = failed_rows_table(rows)
     return md
 
 
-def _money(cost: float | None) -> str:
-    return f"${cost:.4f}" if cost is not None else "unknown (no price for this model)"
+def build_metadata(
+    stats: RunStats,
+    *,
+    summary: dict[str, Any],
+    model: str,
+    output: str,
+    partition_key: str = "__all__",
+    limits: Limits | None = None,
+    pricing: str | None = None,
+) -> dict[str, Any]:
+    """Every entry of a materialisation (or of its failure): partition, run, model, summary,
+    failed rows, pricing and the asset's cost to date."""
+    rows_in = stats.rows_in
+    md = {**partition_metadata(summary, rows_in), **run_metadata(stats, limits)}
+    md["model"] = dg.MetadataValue.text(model)
+    if pricing is not None:
+        md["pricing"] = dg.MetadataValue.text(pricing)
+    if summary.get("asset_cost_usd") is not None:
+        md["cost_usd_to_date"] = _float(summary["asset_cost_usd"], 6)
+    md["summary"] = dg.MetadataValue.md(_summary_text(stats, summary, rows_in, output))
+    md.update(failed_rows_metadata(summary, output, partition_key))
+    return md
+
+
+def money(cost: float | None) -> str:
+    return f"${cost:.4f}" if cost is not None else "not priced"
 
 
 def _summary_text(stats: RunStats, summary: dict[str, Any], rows_in: int, output: str) -> str:
@@ -139,14 +202,14 @@ def _summary_text(stats: RunStats, summary: dict[str, Any], rows_in: int, output
     return (
         f"**Partition** (`{output}`): **{summary['rows_ok']}** ok, **{summary['rows_failed']}** "
         f"failed of {rows_in} input rows; {summary['prompt_tokens']} / "
-        f"{summary['completion_tokens']} tokens in / out, cost {_money(summary['cost_usd'])} "
+        f"{summary['completion_tokens']} tokens in / out, cost {money(summary['cost_usd'])} "
         f"to date. Errors: {errors}\n\n"
         f"**This run**: {sent} sent; {stats.ok} ok, {stats.failed} failed"
         + (f" ({unsent} of them before sending)" if unsent else "")
         + f", {stats.skipped} skipped as already done\n\n"
-        "| tokens in / out | cost | wall | limiter wait | p50 / p95 latency | 429s | retries |\n"
-        "|---|---|---|---|---|---|---|\n"
-        f"| {stats.prompt_tokens} / {stats.completion_tokens} | {_money(stats.cost_usd)} | "
-        f"{stats.wall_s:.1f} s | {stats.rate_limit_wait_s:.1f} s | {latency} | "
+        "| tokens in / out | cost | wall | requests that waited | p50 / p95 latency | 429s "
+        "| retries |\n|---|---|---|---|---|---|---|\n"
+        f"| {stats.prompt_tokens} / {stats.completion_tokens} | {money(stats.cost_usd)} | "
+        f"{stats.wall_s:.1f} s | {stats.requests_waited} of {sent} | {latency} | "
         f"{stats.http_429} | {stats.retries} |"
     )

@@ -34,7 +34,7 @@ from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
-from .metadata import RunStats
+from .metadata import RunStats, money
 from .pricing import cost_usd, price_for_resource, served_model
 from .prompt import CompiledPrompt
 from .reader import SliceReader
@@ -317,7 +317,9 @@ class PartitionRun:
         eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
         self.log.info(
             f"partition {self.partition_key}: {s.processed}/{s.rows_in} rows "
-            f"({s.ok} ok, {s.failed} failed, {s.skipped} skipped), {rate:.1f} rows/s, ETA {eta}"
+            f"({s.ok} ok, {s.failed} failed, {s.skipped} skipped), {rate:.1f} rows/s, ETA {eta}; "
+            f"{s.http_429} 429s, {s.retries} retries, {s.requests_waited} requests waited for "
+            f"the limiter, cost so far {money(s.cost_usd)}"
         )
 
     def run(self) -> RunStats:

@@ -2,8 +2,10 @@
 
 Models are matched exactly as the library lists them (dated snapshots, -pro variants), cached
 input tokens at their own rate, and Batch API prices when asked. A local server (base_url on
-localhost, or a llama.cpp / Ollama / vLLM profile) costs 0 unless prices are set. Unknown
-models cost NULL, with one warning naming LLMResource's price fields. The data is the snapshot
+localhost, or a llama.cpp / Ollama / vLLM profile) is not priced (cost NULL, shown "not priced",
+never a misleading 0) unless prices are set or `price_as_model` names a listed model (the demo's
+simulator is priced as the model it names, labelled simulated). Unknown models cost NULL, with
+one warning naming LLMResource's price fields. The data is the snapshot
 shipped with the package: nothing is downloaded at run time (upgrade genai-prices for new data).
 """
 
@@ -35,12 +37,26 @@ class Price:
     """How a model's requests are priced: USD per 1M tokens, from the library or set by hand."""
 
     model: str
-    source: str  # "genai-prices", "configured" or "local"
+    source: str  # "genai-prices", "configured" or "simulated" (priced as `as_model`)
     input_per_1m: float
     output_per_1m: float
     cached_input_per_1m: float
     provider_id: str | None = None
     batch: bool = False
+    as_model: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How the costs were priced, as the metadata shows it."""
+        if self.source == "simulated":
+            return f"simulated at {self.as_model} list prices"
+        if self.source == "configured":
+            return "configured prices (LLMResource price_*_per_1m)"
+        return f"{self.model} list prices (genai-prices)"
+
+
+def pricing_label(price: Price | None) -> str:
+    return f"pricing: {price.label}" if price is not None else "pricing: not priced"
 
 
 def is_local(base_url: str | None, provider: str | None = None) -> bool:
@@ -78,7 +94,13 @@ def _library_rates(model: str, provider_id: str | None, batch: bool) -> tuple[fl
 def price_for_resource(
     llm: Any, model: str, *, batch: bool = False, logger: Any = None
 ) -> Price | None:
-    """`price_for` with an LLMResource's price overrides, endpoint and provider."""
+    """`price_for` with an LLMResource's price overrides, endpoint and provider; with
+    `price_as_model`, the list price of that model instead (a stand-in such as the simulator)."""
+    as_model = getattr(llm, "price_as_model", None)
+    if as_model and llm.price_input_per_1m is None:
+        rates = _library_rates(as_model, "openai", batch) or _library_rates(as_model, None, batch)
+        if rates is not None:
+            return Price(model, "simulated", *rates, batch=batch, as_model=as_model)
     return price_for(
         model,
         input_override=llm.price_input_per_1m,
@@ -105,7 +127,8 @@ def price_for(
     """How `model`'s requests are priced, or None when unknown (then no cost is guessed).
 
     Explicit prices win; then an explicit provider profile's list price (a local gateway to a
-    hosted provider is billed); then 0 for a local server; then the library's price by model.
+    hosted provider is billed); then None for a local server (nobody bills it per token, and a
+    0 would read as a real cost); then the library's price by model.
     """
     configured = input_override is not None and output_override is not None
     if configured:
@@ -113,7 +136,7 @@ def price_for(
         return Price(model, "configured", input_override, output_override, cached)
     hosted_profile = provider is not None and provider.lower() in _PROVIDER_IDS
     if is_local(base_url, provider) and not hosted_profile:
-        return Price(model, "local", input_override or 0.0, output_override or 0.0, 0.0)
+        return None
     provider_id = _PROVIDER_IDS.get((provider or "").lower()) or (
         "openai" if base_url is None or "api.openai.com" in base_url else None
     )

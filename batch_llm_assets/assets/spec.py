@@ -112,6 +112,12 @@ class SourceSpec(_Spec):
         description="Columns read and offered to the prompt. Default: the columns the prompt "
         "names.",
     )
+    column_types: dict[str, str] = Field(
+        default_factory=dict,
+        description="The source's column types as the warehouse names them, e.g. {id: BIGINT}: "
+        "shown as the source table's column schema and as the output id column's type. "
+        "Default: none (types unknown when definitions load).",
+    )
 
     @property
     def per_partition(self) -> bool:

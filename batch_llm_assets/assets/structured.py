@@ -366,14 +366,17 @@ def quality_metadata(fractions: Mapping[str, float]) -> dict[str, Any]:
     }
 
 
-def field_check_specs(key: dg.AssetKey, spec: OutputSchema | None) -> list[dg.AssetCheckSpec]:
-    """One check per field, evaluated inside the materialisation: its NULL fraction."""
+def field_check_specs(
+    key: dg.AssetKey, spec: OutputSchema | None, pdef: dg.PartitionsDefinition | None = None
+) -> list[dg.AssetCheckSpec]:
+    """One check per field and partition, evaluated inside its run: its NULL fraction."""
     if spec is None:
         return []
     return [
         dg.AssetCheckSpec(
             f"{f.name}_null_fraction",
             asset=key,
+            partitions_def=pdef,
             description=f"Rows of the partition whose {f.name!r} is NULL (failed or invalid "
             "answers) are at most max_failed_fraction.",
         )

@@ -126,3 +126,7 @@ LEASE_WAREHOUSE_TTL_S = 60.0
 LEASE_RENEWALS_PER_TTL = 5
 # How long taking a lease waits out an unreachable lease store before the run fails.
 LEASE_TAKE_OUTAGE_S = 30.0
+
+# A limiter wait shorter than this is the acquire's own round trip, not waiting for the limit:
+# a request that waited at least this long counts in run/requests_waited_fraction.
+LIMITER_WAITED_S = 0.01

@@ -230,7 +230,7 @@ class Engine:
         empty_retried = False
         while True:
             if self.breaker.reason:
-                return st.failed(req, E.ABORTED, f"not sent: {self.breaker.reason}")
+                return self._stopped(req, st)
             sent = await self._attempt(req, body, max_tokens, deadline, st)
             if isinstance(sent, ChatResult):
                 return sent
@@ -272,7 +272,7 @@ class Engine:
             if self.pacer is not None:
                 await self.pacer.give_back(grant)
             if self.breaker.reason:
-                return st.failed(req, E.ABORTED, f"not sent: {self.breaker.reason}")
+                return self._stopped(req, st)
             return self._deadline(req, st)
         st.attempt += 1
         self._set_token_param(body, max_tokens)
@@ -324,6 +324,15 @@ class Engine:
                 f"{exc.message} (not retried: the run's retry budget is spent)",
             )
         return backoff_delay(st.attempt, exc.retry_after_s, exact=exc.hint_exact)
+
+    def _stopped(self, req: ChatRequest, st: _Attempts) -> ChatResult:
+        """The row's result when the breaker stopped the run. A row that already had a real
+        error keeps it (class and message): "aborted" would hide why it failed. The others say
+        why the run stopped."""
+        why = f"the run stopped after {self.breaker.reason}"
+        if st.last is not None:
+            return st.failed(req, st.last.error_class, f"{st.last.message} (not retried: {why})")
+        return st.failed(req, E.ABORTED, f"aborted: {why}")
 
     def _deadline(self, req: ChatRequest, st: _Attempts) -> ChatResult:
         why = f" (last error: {st.last.message})" if st.last else ""

@@ -144,16 +144,23 @@ class LLMResource(dg.ConfigurableResource):
     )
     price_input_per_1m: float | None = Field(
         default=None,
-        description="USD per 1M input tokens for this model; None: genai-prices' (0 on a local server).",
+        description="USD per 1M input tokens for this model; None: genai-prices' (a local server: not priced).",
     )
     price_output_per_1m: float | None = Field(
         default=None,
-        description="USD per 1M output tokens for this model; None: genai-prices' (0 on a local server).",
+        description="USD per 1M output tokens for this model; None: genai-prices' (a local server: not priced).",
     )
     price_cached_input_per_1m: float | None = Field(
         default=None,
         description="USD per 1M cached input tokens; None: the price library's, else the "
         "input price.",
+    )
+    price_as_model: str | None = Field(
+        default=None,
+        description="Price requests at this model's list price (genai-prices), e.g. "
+        "'gpt-4o-mini' for a simulator or a local server standing in for it. Costs are then "
+        "labelled 'simulated at <model> list prices'. Default: None (a local server is not "
+        "priced).",
     )
     fatal_error_threshold: int = Field(
         default=C.FATAL_ERROR_THRESHOLD,

@@ -30,6 +30,8 @@ class _Cursor:
     last_added: str | None = None
     # Matching tables whose names a run could not read, already warned about (the latest few).
     unreadable: list[str] = field(default_factory=list)
+    # Why the dataset could not be listed, already warned about (cleared once it lists again).
+    listing_error: str | None = None
 
     @classmethod
     def parse(cls, raw: str | None) -> _Cursor:
@@ -98,8 +100,16 @@ def build_new_input_tables_sensor(
             with warehouse.session() as session:
                 page = session.list_tables_page(dataset, cursor.after, tables_per_page)
         except BatchLLMError as exc:
-            context.log.error(str(exc.description))
-            return dg.SkipReason(f"Cannot list dataset {dataset!r}: {exc.description}")
+            # A missing dataset is a state the sensor waits out (it may be created later), not
+            # an error of each tick: warned once, until it lists again.
+            if exc.description != cursor.listing_error:
+                context.log.warning(str(exc.description))
+                cursor.listing_error = str(exc.description)
+            return dg.SensorResult(
+                skip_reason=f"Cannot list dataset {dataset!r}: {exc.description}",
+                cursor=json.dumps(asdict(cursor)),
+            )
+        cursor.listing_error = None
         new: list[str] = []
         examined = 0
         for table in page:

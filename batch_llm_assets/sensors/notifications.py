@@ -79,7 +79,7 @@ def format_message(
     for f in figures:
         part = f" [{f['partition']}]" if f.get("partition") else ""
         cost = f.get("cost_usd")
-        cost_text = f"${cost:.4f}" if isinstance(cost, int | float) else str(cost or "unknown")
+        cost_text = f"${cost:.4f}" if isinstance(cost, int | float) else str(cost or "not priced")
         lines.append(
             f"• {f['asset']}{part}: {f.get('rows_ok', '?')} ok, {f.get('rows_failed', '?')} "
             f"failed, {f.get('rows_skipped', 0)} skipped, cost {cost_text}, "

@@ -289,16 +289,19 @@ class WarehouseSession(abc.ABC):
 
 
 SUMMARY_TOP_ERRORS = 5
+# Failed rows listed on each materialization: enough to see the pattern, small enough for the UI.
+FAILED_ROWS_SAMPLE = 20
+_UNPRICED = "SUM(CASE WHEN cost_usd IS NULL AND prompt_tokens IS NOT NULL THEN 1 ELSE 0 END)"
 
 
-def partition_summary_sql(table_sql: str, param: str) -> tuple[str, str]:
-    """(totals, top errors) queries of one partition, in SQL both DuckDB and BigQuery run;
-    `param` is the dialect's placeholder for the partition key."""
+def partition_summary_sql(table_sql: str, param: str) -> tuple[str, str, str, str]:
+    """(totals, top errors, failed-row sample, asset cost to date) queries of one partition, in
+    SQL both DuckDB and BigQuery run; `param` is the dialect's placeholder for the partition
+    key (the last query takes none: it sums every partition)."""
     totals = (
         "SELECT SUM(CASE WHEN status = 'ok' THEN 1 ELSE 0 END), "
         "SUM(CASE WHEN status = 'ok' THEN 0 ELSE 1 END), COUNT(*), "
-        "SUM(prompt_tokens), SUM(completion_tokens), SUM(cost_usd), "
-        "SUM(CASE WHEN cost_usd IS NULL AND prompt_tokens IS NOT NULL THEN 1 ELSE 0 END) "
+        f"SUM(prompt_tokens), SUM(completion_tokens), SUM(cost_usd), {_UNPRICED} "
         f"FROM {table_sql} WHERE partition_key = {param}"
     )
     errors = (
@@ -306,22 +309,47 @@ def partition_summary_sql(table_sql: str, param: str) -> tuple[str, str]:
         f"WHERE partition_key = {param} AND status <> 'ok' "
         f"GROUP BY error_class ORDER BY n DESC, error_class LIMIT {SUMMARY_TOP_ERRORS}"
     )
-    return totals, errors
+    return (
+        totals,
+        errors,
+        failed_rows_sql(table_sql, param, FAILED_ROWS_SAMPLE),
+        (f"SELECT SUM(cost_usd), {_UNPRICED} FROM {table_sql}"),
+    )
+
+
+def failed_rows_sql(table_sql: str, param: str, limit: int | None = None) -> str:
+    """The failed rows of one partition (all of them without `limit`): the query shown on each
+    materialization, to copy, is this one."""
+    return (
+        f"SELECT id, error_class, error, attempts FROM {table_sql} "
+        f"WHERE partition_key = {param} AND status <> 'ok' ORDER BY id"
+        + (f" LIMIT {limit}" if limit is not None else "")
+    )
 
 
 def partition_summary_dict(
-    totals: Sequence[Any], errors: Sequence[Sequence[Any]]
+    totals: Sequence[Any],
+    errors: Sequence[Sequence[Any]],
+    failed: Sequence[Sequence[Any]] = (),
+    to_date: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    ok, failed, total, prompt, completion, cost, unpriced = totals
-    return {
+    ok, failed_n, total, prompt, completion, cost, unpriced = totals
+    summary = {
         "rows_ok": int(ok or 0),
-        "rows_failed": int(failed or 0),
+        "rows_failed": int(failed_n or 0),
         "rows_total": int(total or 0),
         "prompt_tokens": int(prompt or 0),
         "completion_tokens": int(completion or 0),
         "cost_usd": None if unpriced else float(cost or 0.0),
         "errors": {str(cls or "unknown"): int(n) for cls, n in errors},
+        "failed_rows": [
+            {"id": str(i), "error_class": c or "unknown", "error": e or "", "attempts": int(a or 0)}
+            for i, c, e, a in failed
+        ],
     }
+    if to_date is not None:  # the asset's cost over every partition (None: some unpriced)
+        summary["asset_cost_usd"] = None if to_date[1] else float(to_date[0] or 0.0)
+    return summary
 
 
 class Warehouse(abc.ABC):

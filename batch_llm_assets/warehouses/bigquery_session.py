@@ -423,10 +423,14 @@ class BigQuerySession(WarehouseSession):
         return count
 
     def partition_summary(self, output: str, partition_key: str) -> dict[str, Any]:
-        totals_sql, errors_sql = partition_summary_sql(_qt(output), "@partition_key")
+        totals_sql, errors_sql, failed_sql, to_date_sql = partition_summary_sql(
+            _qt(output), "@partition_key"
+        )
         param = [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)]
         [totals] = self._rows(totals_sql, param)
-        return partition_summary_dict(totals, self._rows(errors_sql, param))
+        [to_date] = self._rows(to_date_sql, [])
+        errors, failed = self._rows(errors_sql, param), self._rows(failed_sql, param)
+        return partition_summary_dict(totals, errors, failed, to_date)
 
     def null_fractions(
         self, table: str, partition_key: str, columns: list[str]

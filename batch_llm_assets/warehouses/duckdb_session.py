@@ -293,11 +293,13 @@ class DuckDBSession(WarehouseSession):
         ).fetchone()[0]
 
     def partition_summary(self, output: str, partition_key: str) -> dict[str, Any]:
-        totals_sql, errors_sql = partition_summary_sql(_qt(output), "?")
+        totals_sql, errors_sql, failed_sql, to_date_sql = partition_summary_sql(_qt(output), "?")
         with self._lock:
             totals = self.conn.execute(totals_sql, [partition_key]).fetchone()
             errors = self.conn.execute(errors_sql, [partition_key]).fetchall()
-        return partition_summary_dict(totals, errors)
+            failed = self.conn.execute(failed_sql, [partition_key]).fetchall()
+            to_date = self.conn.execute(to_date_sql).fetchone()
+        return partition_summary_dict(totals, errors, failed, to_date)
 
     def null_fractions(
         self, table: str, partition_key: str, columns: list[str]
