@@ -564,5 +564,9 @@ def test_a_provider_that_counts_otherwise_is_reserved_what_it_charges(fresh_sim,
     reqs = [ChatRequest(i, user(f"Headline {i}: " + words * 4)) for i in range(200)]
     results, engine = run_engine(llm, reqs)
     assert [r.error_message for r in results.values() if not r.ok] == []
-    assert fresh_sim.stats().get("rate_limited", 0) == 0
+    # One 429 in about one run in six: when the burst widens (0.5 s to the bucket's 0.9 s) the
+    # schedule restarts from what the answer says remains less what was sent since, and a
+    # request granted just before but not yet sent is in neither (docs/engine.md, Known
+    # limits). Without the calibration it is a 429 storm, every request 1.3x underreserved.
+    assert fresh_sim.stats().get("rate_limited", 0) <= 1
     assert engine.pacer.controller.calibration > 1.3
