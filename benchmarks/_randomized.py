@@ -226,6 +226,9 @@ def summary(results: list[dict]) -> dict:
 def main(args, *, sim, redis_url) -> dict:
     hogs = args.cpu_hog or os.cpu_count() or 2
     providers = draw_providers(args.random, args.seed)
+    if args.only:  # the same draws, a few of them (to look at one provider again)
+        wanted = {int(i) for i in args.only.split(",")}
+        providers = [(p, job) for p, job in providers if p.index in wanted]
     print(" | ".join(title for _, title, _ in COLUMNS), flush=True)
     pool = WorkerPool(MAX_PROCESSES)
     results = []

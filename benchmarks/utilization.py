@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=0, help="N providers drawn at random")
     ap.add_argument("--seed", type=int, default=1, help="the seed of --random's draws")
     ap.add_argument("--cpu-hog", type=int, default=0, help="K busy processes beside the run")
+    ap.add_argument("--only", help="with --random: run only these providers of the draw, 2,7")
     args = ap.parse_args()
     if args.random < 0 or args.cpu_hog < 0:
         ap.error("--random and --cpu-hog take a count >= 0")
