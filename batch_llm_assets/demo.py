@@ -53,6 +53,8 @@ def _env(sim: SimulatorProcess, valkey: EmbeddedValkey) -> dict[str, str]:
         "BATCH_LLM_BASE_URL": sim.url,
         "BATCH_LLM_RPM": str(DEMO_RPM),
         "BATCH_LLM_TPM": str(DEMO_TPM),
+        # The simulator stands in for the model the demo names: show what the run would cost.
+        "BATCH_LLM_PRICE_AS_MODEL": os.environ.get("BATCH_LLM_PRICE_AS_MODEL") or "gpt-4o-mini",
         "BATCH_LLM_DUCKDB": str((DEMO_DIR / "warehouse.duckdb").resolve()),
         "REDIS_URL": valkey.url,
         **_venv_env(),
