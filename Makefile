@@ -1,4 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
+# The tests mostly wait on servers (the simulator, Valkey, dagster subprocesses), so three pytest-xdist
+# workers share 2 cores; each worker has its own servers and its own database of REDIS_URL.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +22,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check batch_llm_assets tests benchmarks
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist worksteal
 
 lint: $(STAMP)
 	$(PY) -m ruff check batch_llm_assets tests benchmarks

@@ -34,6 +34,20 @@ def valkey_url():
         yield server.url
 
 
+def _worker_redis_url(url: str | None) -> str | None:
+    """Under pytest-xdist each worker takes its own database of REDIS_URL's server (15, 14, ...):
+    two workers' leases and limiter keys never meet, as two CI machines' would not."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not url or not worker.startswith("gw"):
+        return url
+    base, _, db = url.rpartition("/")
+    first = int(db) if db.isdigit() else 15
+    return f"{base}/{(first - int(worker[2:])) % 16}"
+
+
+if os.environ.get("REDIS_URL"):
+    os.environ["REDIS_URL"] = _worker_redis_url(os.environ["REDIS_URL"]) or ""
+
 _REDIS_SERVERS = ["valkey"] + (["redis"] if os.environ.get("REDIS_URL") else [])
 
 

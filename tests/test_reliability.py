@@ -108,9 +108,9 @@ def test_five_kills_lose_nothing_duplicate_nothing_and_resend_under_one_percent(
 
 def test_fault_storm_ends_every_row_ok_or_with_a_reason(fresh_sim, tmp_path, valkey_url):
     db = str(tmp_path / "storm.duckdb")
-    create_demo_table(db, days=1, per_day=600)
+    create_demo_table(db, days=1, per_day=200)
     fresh_sim.configure(
-        rpm=1800,
+        rpm=3000,
         bucket_s=1.0,
         fail_500=0.15,
         fail_503=0.15,
@@ -129,7 +129,7 @@ def test_fault_storm_ends_every_row_ok_or_with_a_reason(fresh_sim, tmp_path, val
         resources={
             "llm": llm(
                 fresh_sim,
-                rpm=1800,
+                rpm=3000,
                 max_attempts=15,
                 request_timeout_s=1.0,
                 redis_url=valkey_url,
@@ -140,7 +140,7 @@ def test_fault_storm_ends_every_row_ok_or_with_a_reason(fresh_sim, tmp_path, val
     )
     assert result.success
     statuses = dict(query(db, "SELECT status, count(*) FROM news_sentiment GROUP BY ALL"))
-    assert sum(statuses.values()) == 600
+    assert sum(statuses.values()) == 200
     assert query(
         db,
         "SELECT count(*) FROM news_sentiment WHERE status = 'failed' "
@@ -155,14 +155,14 @@ def test_fault_storm_ends_every_row_ok_or_with_a_reason(fresh_sim, tmp_path, val
         json.dumps(
             {
                 "storm_ok": statuses.get("ok", 0),
-                "storm_rows": 600,
+                "storm_rows": 200,
                 "client_429": md["run/http_429"],
                 "retries": md["run/retries"],
                 "sim_faults": {k: v for k, v in stats.items() if k.startswith("fault_")},
             }
         )
     )
-    assert statuses.get("ok", 0) >= 0.99 * 600
+    assert statuses.get("ok", 0) >= 0.99 * 200
     assert md["run/http_429"] > 0 and stats["fault_429"] > 0
     assert stats["fault_hang"] > 0 and stats["fault_drop"] > 0
 
