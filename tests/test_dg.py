@@ -297,9 +297,10 @@ def test_make_dev_stops_every_child_on_a_signal(signum, tmp_path):
 
 
 @pytest.mark.reliability
-def test_a_backfill_queues_on_the_duckdb_pool(sim, tmp_path):
+def test_a_backfill_queues_on_the_duckdb_pool(fresh_sim, tmp_path):
     """Three partitions through the daemon's run queue, with the demo's instance config and the
     pool's limit set by the operator step: the runs never overlap and all succeed."""
+    sim = fresh_sim  # the shared simulator reset: an earlier test may have left a fault set
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text(INSTANCE_YAML)
@@ -360,12 +361,13 @@ def test_a_backfill_queues_on_the_duckdb_pool(sim, tmp_path):
         assert later.start_time >= earlier.end_time  # queued until the pool's slot was free
 
 
-def test_dg_launch_of_a_demo_partition_records_its_limits_and_simulated_cost(sim, tmp_path):
+def test_dg_launch_of_a_demo_partition_records_its_limits_and_simulated_cost(fresh_sim, tmp_path):
     """The demo asset, one run per partition: its own figures, the configured limits and the
     fractions used, and a cost priced as the model the simulator stands in for. The dg output
     has no "virtual environment does not match" warning when the venv is named (make dev)."""
     from batch_llm_assets.demo import _venv_env
 
+    sim = fresh_sim  # the shared simulator reset: an earlier test may have left a fault set
     db = str(tmp_path / "w.duckdb")
     create_demo_table(db, days=2, per_day=10)
     extra = {
