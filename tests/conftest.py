@@ -109,6 +109,7 @@ def fresh_sim(sim):
         reasoning=False,
         insufficient_quota=False,
         fail_param=None,
+        typed_mode="obeys",
         models={"sim-1": 16_384, "gpt-4o-mini": 128_000},
     )
     sim.reset()

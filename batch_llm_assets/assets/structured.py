@@ -25,9 +25,11 @@ from typing import Annotated, Any, Literal
 import dagster as dg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from ..engine.constraints import schema_note
 from ..engine.errors import BatchLLMError
 from ..engine.structured import shape_request
 from ..warehouses.base import check_identifier
+from .violations import json_object, violation
 
 SCALARS = ("string", "integer", "number", "boolean")
 KINDS = (*SCALARS, "enum", "list", "object")
@@ -129,26 +131,13 @@ class OutputSchema:
         return {f.name: f.description for f in self.fields if f.description}
 
     def parse(self, text: str | None) -> dict[str, Any]:
-        """The answer's field values; raises ValueError naming what is wrong with it."""
-        if text is None or not text.strip():
-            raise ValueError("the answer is empty, expected a JSON object")
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"the answer is not valid JSON ({exc.msg} at char {exc.pos})"
-            ) from None
-        if not isinstance(doc, dict):
-            raise ValueError(f"the answer is JSON {type(doc).__name__}, expected an object")
-        for model in (self._checker, self.model):  # the user's model's own validators too
-            if model is None:
-                continue
+        """The answer's field values; raises a Violation (a ValueError) naming what is wrong."""
+        doc = json_object(text)
+        for model in (m for m in (self._checker, self.model) if m is not None):  # the user's too
             try:
                 doc = model.model_validate(doc).model_dump(mode="json")
             except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"]) or "the answer"
-                raise ValueError(f"{where}: {first['msg']}") from None
+                raise violation(exc.errors(include_url=False)[0]) from None
         return {f.name: doc.get(f.name) for f in self.fields}
 
     @functools.cached_property
@@ -164,9 +153,15 @@ class OutputSchema:
         self, provider_kind: str, messages: list[dict[str, Any]]
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The request's structured params and messages, in the provider's form."""
+        schema, strict = self.json_schema(), self.strict_ok
         return shape_request(
-            provider_kind, self.json_schema(), messages, {}, name=self.name, strict=self.strict_ok
+            provider_kind, schema, messages, {}, name=self.name, strict=strict, note=self._note
         )
+
+    @functools.cached_property
+    def _note(self) -> str:
+        """The schema's constraints for the system prompt: worked out once, not once a row."""
+        return schema_note(self.json_schema()) or ""
 
     def result_values(self, ok: bool, text: str | None) -> dict[str, Any]:
         """Column values of a row: a valid ok answer's fields, NULLs for a failed row."""

@@ -20,7 +20,9 @@ MAX_SHARED_PAUSE_S = 60.0
 MAX_SERVER_HINT_S = 600.0
 
 # Breaker: the same non-transient error (same status, code and message shape) on this many
-# consecutive distinct rows stops sending. Retries per run: a base plus a fraction of the rows
+# consecutive distinct rows stops sending; so do typed answers that break the same rule of the
+# schema (same field, same kind of bound) after their repair on this many consecutive rows (a
+# model that cannot meet the schema fails every row alike, each paid twice). Retries per run: a base plus a fraction of the rows
 # started (like gRPC's retry throttling), so a sick provider is sent at most ~3x the rows, not
 # rows x max_attempts. Retries after a 429 are paced by the limiter and do not count.
 BREAKER_THRESHOLD = 5
@@ -30,6 +32,22 @@ RETRY_BUDGET_BASE = 100
 # Higher than BREAKER_THRESHOLD: a few large documents side by side are ordinary data.
 TEMPLATE_BREAKER_THRESHOLD = 10
 RETRY_BUDGET_RATIO = 2.0
+# Typed outputs (engine/constraints.py). A server that constrains decoding to the schema never
+# shows it to the model (llama.cpp's grammars/README.md: "The model has no visibility into the
+# schema"), so its descriptions, enums and bounds are also stated in the system prompt, one line
+# per constrained field, within these bounds: a schema of 1,000 fields or of megabyte
+# descriptions makes a note of at most SCHEMA_NOTE_MAX_CHARS, not a megabyte prompt.
+SCHEMA_NOTE_MAX_CHARS = 4_000
+SCHEMA_NOTE_MAX_LINES = 60
+SCHEMA_NOTE_MAX_DEPTH = 6  # nesting levels of objects and arrays read
+SCHEMA_NOTE_MAX_NODES = 2_000  # schema nodes read ($refs followed) before the note stops
+SCHEMA_NOTE_TEXT_CHARS = 200  # a description, pattern or list of enum values, at most
+# The repair turn quotes the failing value (at most REPAIR_VALUE_MAX_CHARS of its JSON) and the
+# bound it broke, says what was wrong in at most REPAIR_PROBLEM_MAX_CHARS (the row's error too),
+# and hands back at most REPAIR_ANSWER_MAX_CHARS of the bad answer.
+REPAIR_VALUE_MAX_CHARS = 80
+REPAIR_PROBLEM_MAX_CHARS = 1_000
+REPAIR_ANSWER_MAX_CHARS = 4_000
 # Tokens estimated with a fallback encoding (a model tiktoken does not know) are scaled up by
 # this margin, so the TPM reservation and the context check are not too low.
 FALLBACK_ESTIMATE_MARGIN = 0.25

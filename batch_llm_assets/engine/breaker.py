@@ -3,7 +3,9 @@
 Three ways to trip: an error that says the key can do nothing more (out of credit) at once;
 authentication / permission / not-found errors `fatal_threshold` times in a row; and the same
 non-transient error (400, 422, or a 5xx that repeats on a retry of the same row) on `threshold`
-consecutive distinct rows. A success in between resets the streaks.
+consecutive distinct rows. A success in between resets the streaks. And for typed outputs,
+answers that break the same rule of the schema (the same field, the same kind of bound) after
+their repair on `threshold` consecutive rows: a valid answer in between resets that streak.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 
 from . import _constants as C
 from . import errors as E
+from .constraints import Violation
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ class Breaker:
         self._fatal_streak = 0
         self._signature: str | None = None
         self._rows = 0
+        self._invalid_key: str | None = None
+        self._invalid_rows = 0
         self.rows_started = 0
         self.retries = 0
 
@@ -44,6 +49,7 @@ class Breaker:
         self._fatal_streak = 0
         self._signature = None
         self._rows = 0
+        self.answer_valid()
 
     def row_started(self) -> None:
         self.rows_started += 1
@@ -106,6 +112,22 @@ class Breaker:
             self._trip(
                 f"{self._rows} consecutive rows failed with the same error ({exc.error_class}: "
                 f"{exc.message}); the remaining requests were not sent"
+            )
+
+    def answer_valid(self) -> None:
+        self._invalid_key, self._invalid_rows = None, 0
+
+    def answer_invalid(self, rule: Violation) -> None:
+        """A row's last answer broke `rule` (its repair too): the same rule on `threshold` rows
+        in a row is the model's or the form's fault, not the rows'."""
+        if rule.key == self._invalid_key:
+            self._invalid_rows += 1
+        else:
+            self._invalid_key, self._invalid_rows = rule.key, 1
+        if self._invalid_rows >= self.threshold:
+            self._trip(
+                f"{self._invalid_rows} consecutive rows failed validation {rule.summary}; the "
+                f"last: {rule}. The remaining requests were not sent"
             )
 
     def stop(self, reason: str) -> None:

@@ -210,7 +210,7 @@ class Engine:
         # Typed outputs: validate the answer, repair it (engine/structured.py). A truncated
         # answer is invalid JSON: it is repaired or fails invalid_output.
         if req.validate is not None and (result.ok or result.error_class == TRUNCATED):
-            return await S.validated(self._send, req, result)
+            return await S.validated(self._send, req, result, self.breaker)
         return result
 
     async def _send(self, req: ChatRequest) -> ChatResult:

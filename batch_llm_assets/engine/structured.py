@@ -9,6 +9,8 @@ The forms, by provider:
 - llamacpp: `response_format: {"type": "json_object", "schema": ...}` (its server answers
   json_schema with HTTP 500 in older builds);
 - generic: `json_object` plus the schema in the system prompt.
+Every other form constrains decoding without showing the schema to the model, so the schema's
+descriptions, enums and bounds are also stated in the system prompt (constraints.schema_note).
 The validation hook (`ChatRequest.validate`) and `repair` live here too, so `Engine.run_one`
 only calls them.
 """
@@ -19,13 +21,16 @@ import copy
 import json
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlparse
 
+from . import _constants as C
 from . import errors as E
+from .constraints import Violation, clean, schema_note, unparsable
 from .profiles import detect_provider
 
 if TYPE_CHECKING:
+    from .breaker import Breaker
     from .requests import ChatRequest, ChatResult
 
 KINDS = ("openai", "azure", "gemini", "vllm", "llamacpp", "ollama", "generic")
@@ -61,11 +66,14 @@ def shape_request(
     *,
     name: str = "output",
     strict: bool = True,
+    note: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The request's params and messages asking `kind` for an answer matching `schema`.
 
     The inputs are not changed. A `response_format` already in params is replaced: the schema
-    decides the answer's shape.
+    decides the answer's shape. Every form but generic's (which states the whole schema) gets
+    the schema's constraints in the system prompt, which the model reads and a grammar does not:
+    `note` when the caller worked it out once for many rows ("" for none), else schema_note.
     """
     params = {k: v for k, v in params.items() if k != "response_format"}
     if kind in ("openai", "azure", "gemini", "ollama"):
@@ -73,17 +81,17 @@ def shape_request(
             "type": "json_schema",
             "json_schema": {"name": _schema_name(name), "schema": schema, "strict": strict},
         }
-        return params, list(messages)
-    if kind == "vllm":
+    elif kind == "vllm":
         params["structured_outputs"] = {"json": schema}
-        return params, list(messages)
-    if kind == "llamacpp":
+    elif kind == "llamacpp":
         params["response_format"] = {"type": "json_object", "schema": schema}
-        return params, list(messages)
-    if kind != "generic":
+    elif kind == "generic":
+        params["response_format"] = {"type": "json_object"}
+        return params, with_schema_prompt(messages, schema)
+    else:
         raise ValueError(f"unknown provider kind {kind!r}; expected one of {', '.join(KINDS)}")
-    params["response_format"] = {"type": "json_object"}
-    return params, with_schema_prompt(messages, schema)
+    note = schema_note(schema) if note is None else note
+    return params, (with_system_note(messages, note) if note else list(messages))
 
 
 def with_schema_prompt(
@@ -91,8 +99,13 @@ def with_schema_prompt(
 ) -> list[dict[str, Any]]:
     """The messages with the schema stated at the end of the system message (one is added)."""
     compact = json.dumps(schema, sort_keys=True, separators=(",", ":"))  # fewer prompt tokens
-    note = f"{SCHEMA_MARKER}\n{compact}"
-    out = copy.deepcopy(messages)
+    return with_system_note(messages, f"{SCHEMA_MARKER}\n{compact}")
+
+
+def with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """The messages with `note` at the end of the system message (one is added); the given
+    messages are not changed (each is copied: only a content is replaced)."""
+    out = [dict(m) for m in messages]
     for m in out:
         if m.get("role") == "system" and isinstance(m.get("content"), str):
             m["content"] = f"{m['content']}\n\n{note}"
@@ -119,24 +132,36 @@ def rejection_message(exc: E.ProviderError) -> str:
 
 
 # -- validation and repair ------------------------------------------------------------------------
-Validate = Callable[["ChatResult"], "tuple[str, str] | None"]
+class Problem(NamedTuple):
+    """What is wrong with an answer: the row's error class and message, and for an answer that
+    broke a rule of the schema, the rule (the breaker compares it across rows)."""
+
+    error_class: str
+    message: str
+    violation: Violation | None = None
+
+
+Validate = Callable[["ChatResult"], "tuple[str, str] | Problem | None"]
 
 
 def validator(parse: Callable[[str | None], Any]) -> Validate:
-    """A `ChatRequest.validate` from a parser that raises ValueError on a bad answer:
-    refusal -> ("refusal", its text); truncated, invalid JSON or off-schema -> invalid_output."""
+    """A `ChatRequest.validate` from a parser that raises ValueError on a bad answer (a
+    constraints.Violation to say which rule): refusal -> ("refusal", its text); truncated,
+    invalid JSON or off-schema -> invalid_output, its message bounded."""
 
-    def check(result: ChatResult) -> tuple[str, str] | None:
+    def check(result: ChatResult) -> Problem | None:
         if result.refusal:
-            return E.REFUSAL, f"the model refused: {result.refusal}"
+            return Problem(E.REFUSAL, f"the model refused: {result.refusal}")
         try:
             parse(result.response)
         except ValueError as exc:
+            said = clean(str(exc), C.REPAIR_PROBLEM_MAX_CHARS)
             if result.finish_reason == "length":
-                return E.INVALID_OUTPUT, f"answer truncated at max_tokens ({exc})"
-            return E.INVALID_OUTPUT, str(exc)
+                said = f"answer truncated at max_tokens ({said})"
+                return Problem(E.INVALID_OUTPUT, said, unparsable(said, rule="max_tokens"))
+            return Problem(E.INVALID_OUTPUT, said, exc if isinstance(exc, Violation) else None)
         if result.finish_reason == "content_filter":
-            return E.INVALID_OUTPUT, "answer cut by the provider's content filter"
+            return Problem(E.INVALID_OUTPUT, "answer cut by the provider's content filter")
         return None
 
     return check
@@ -145,10 +170,14 @@ def validator(parse: Callable[[str | None], Any]) -> Validate:
 def repair_messages(
     messages: list[dict[str, Any]], answer: str | None, problem: str
 ) -> list[dict[str, Any]]:
-    """The follow-up: the conversation so far, the bad answer, and what was wrong with it."""
+    """The follow-up: the conversation so far, the bad answer (at most REPAIR_ANSWER_MAX_CHARS
+    of it: a runaway answer is not paid for twice), and what was wrong with it."""
+    answer = answer or ""
+    if len(answer) > C.REPAIR_ANSWER_MAX_CHARS:
+        answer = f"{answer[: C.REPAIR_ANSWER_MAX_CHARS]}…"
     return [
         *messages,
-        {"role": "assistant", "content": answer or ""},
+        {"role": "assistant", "content": answer},
         {
             "role": "user",
             "content": f"That answer was not valid: {problem}. Reply again with only the "
@@ -158,10 +187,14 @@ def repair_messages(
 
 
 async def validated(
-    send: Callable[[ChatRequest], Awaitable[ChatResult]], req: ChatRequest, first: ChatResult
+    send: Callable[[ChatRequest], Awaitable[ChatResult]],
+    req: ChatRequest,
+    first: ChatResult,
+    breaker: Breaker | None = None,
 ) -> ChatResult:
     """Validate an ok answer; re-ask up to req.repair_attempts times with the error. Tokens,
-    attempts, latency and waits add up over every request made for the row."""
+    attempts, latency and waits add up over every request made for the row. The row's verdict
+    goes to the breaker: rows failing the same rule one after another stop the run."""
     from .requests import ChatRequest
 
     result, total = first, first
@@ -169,9 +202,14 @@ async def validated(
     for repair in range(req.repair_attempts + 1):
         problem = req.validate(result) if req.validate is not None else None
         if problem is None:
+            if breaker is not None:
+                breaker.answer_valid()
             return _merged(total, result, "ok", None, None)
         if problem[0] != E.INVALID_OUTPUT or repair == req.repair_attempts:
-            return _merged(total, result, "failed", *problem)
+            rule = problem.violation if isinstance(problem, Problem) else None
+            if breaker is not None and rule is not None and problem[0] == E.INVALID_OUTPUT:
+                breaker.answer_invalid(rule)
+            return _merged(total, result, "failed", problem[0], problem[1])
         messages = repair_messages(messages, result.response, problem[1])
         follow = ChatRequest(req.id, messages, params=req.params, deadline=req.deadline)
         result = await send(follow)

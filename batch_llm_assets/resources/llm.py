@@ -123,7 +123,8 @@ class LLMResource(dg.ConfigurableResource):
         default=C.BREAKER_THRESHOLD,
         ge=1,
         description="Stop sending when this many consecutive rows fail with the same "
-        "non-transient error (400, 422, or a 5xx that repeats on retry).",
+        "non-transient error (400, 422, or a 5xx that repeats on retry), or, with an "
+        "output_schema, whose answers break the same rule of it after their repair.",
     )
     redis_url: str | None = Field(
         default=None,

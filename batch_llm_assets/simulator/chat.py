@@ -179,6 +179,7 @@ async def chat(sim: Simulator, request: web.Request) -> web.StreamResponse:
     if isinstance(parsed, web.Response):
         return parsed
     body, messages, model, budget = parsed
+    sim.stats.heard(messages)
     cfg = sim.config
     no = refused(sim, request, body, model)
     if no is not None:

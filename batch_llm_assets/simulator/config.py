@@ -9,6 +9,7 @@ from typing import Any
 
 from .counting import COUNTINGS
 from .limits import ENFORCEMENTS
+from .structured import TYPED_MODES
 
 LIMIT_HEADERS = ("per_minute", "capacity", "none")
 RETRY_AFTER_STYLES = ("both", "seconds", "ms")
@@ -63,6 +64,10 @@ class SimConfig:
     truncated_json: float = 0.0
     refuse: float = 0.0
     reject_json_schema: bool = False
+    # How a small model answers a schema request (simulator/structured.py): obeys; ignores_schema
+    # (free text, or the schema copied back when the prompt states it); out_of_range (valid JSON,
+    # numbers outside the schema's bounds unless the prompt states them).
+    typed_mode: str = "obeys"
 
     # How real providers differ (simulator/limits.py): enforcement bucket | fixed_window |
     # sliding_window | quantized | azure; window_s for the windows, quantum_s for quantized.
@@ -89,6 +94,7 @@ _CHOICES = {
     "limit_header": LIMIT_HEADERS,
     "retry_after": RETRY_AFTER_STYLES,
     "usage_shape": USAGE_SHAPES,
+    "typed_mode": TYPED_MODES,
 }
 
 

@@ -98,6 +98,8 @@ def structured_answer(
         invalid=config.invalid_json,
         truncated=config.truncated_json,
         refuse=config.refuse,
+        mode=config.typed_mode,
+        messages=messages,
     )
     if content is None:
         return None, refusal, count_text_tokens(refusal or "", model), "stop"

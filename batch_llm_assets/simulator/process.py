@@ -45,9 +45,11 @@ class SimulatorProcess:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
 
-    def stats(self, *, log: bool = False) -> dict[str, Any]:
-        """GET /stats; with `log`, each admission's time and tokens too (stats.py)."""
-        return self._request("/stats?log=1" if log else "/stats")
+    def stats(self, *, log: bool = False, messages: bool = False) -> dict[str, Any]:
+        """GET /stats; with `log`, each admission's time and tokens too; with `messages`, the
+        latest chat requests' messages (stats.py)."""
+        query = "&".join(q for q, on in (("log=1", log), ("messages=1", messages)) if on)
+        return self._request(f"/stats?{query}" if query else "/stats")
 
     def configure(self, **settings: Any) -> None:
         self._request("/admin/config", settings)

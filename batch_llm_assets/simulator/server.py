@@ -87,7 +87,8 @@ class Simulator:
     async def stats_route(self, request: web.Request) -> web.Response:
         config = dataclasses.asdict(self.config) | {"api_key": None}  # never the key
         log = request.query.get("log", "") not in ("", "0", "false")
-        return web.json_response(self.stats.body(config, log=log))
+        messages = request.query.get("messages", "") not in ("", "0", "false")
+        return web.json_response(self.stats.body(config, log=log, messages=messages))
 
     async def set_config(self, request: web.Request) -> web.Response:
         try:

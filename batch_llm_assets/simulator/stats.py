@@ -5,6 +5,8 @@ request's time (epoch seconds) and its tokens as the provider counted them (prom
 plus max_tokens), so a benchmark can compute, after a run, what was admitted in any 60 s
 window. GET /stats?log=1 includes the log; it keeps the latest ADMISSION_LOG_MAX admissions
 (`log_dropped` says how many older ones it let go), so a simulator left running stays small.
+GET /stats?messages=1 includes the messages of the latest RECENT_MAX chat requests (each content
+cut at RECENT_CHARS), for a test to read what a client said (a repair turn, a system prompt).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import Counter, defaultdict, deque
 from typing import Any
 
 ADMISSION_LOG_MAX = 250_000
+RECENT_MAX = 64
+RECENT_CHARS = 8_000
 
 
 class Stats:
@@ -24,6 +28,17 @@ class Stats:
         self.admissions: deque[tuple[float, int]] = deque(maxlen=ADMISSION_LOG_MAX)
         self.started_at = time.time()  # when the limits were last set (windows start here)
         self.first_received_at: float | None = None
+        self.recent: deque[list[dict[str, Any]]] = deque(maxlen=RECENT_MAX)
+
+    def heard(self, messages: list[Any]) -> None:
+        """Keep a chat request's messages (roles and text, cut) among the latest RECENT_MAX."""
+        self.recent.append(
+            [
+                {"role": m.get("role"), "content": str(m.get("content"))[:RECENT_CHARS]}
+                for m in messages
+                if isinstance(m, dict)
+            ]
+        )
 
     def received(self) -> None:
         self.counts["received"] += 1
@@ -43,7 +58,7 @@ class Stats:
         self.counts["rate_limited"] += 1
         self.per_second[int(time.time())][2] += 1
 
-    def body(self, config: dict[str, Any], *, log: bool) -> dict[str, Any]:
+    def body(self, config: dict[str, Any], *, log: bool, messages: bool = False) -> dict[str, Any]:
         series = [
             {"t": t, "requests": v[0], "tokens": v[1], "rate_limited": v[2]}
             for t, v in sorted(self.per_second.items())
@@ -60,4 +75,6 @@ class Stats:
         }
         if log:
             body["admissions"] = [[round(t, 6), n] for t, n in self.admissions]
+        if messages:
+            body["recent_messages"] = list(self.recent)
         return body
