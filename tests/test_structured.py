@@ -571,7 +571,8 @@ def test_schema_evolution_on_the_bigquery_emulator(ssim, bq_endpoint, bq, datase
 
 def test_a_typed_rows_body_is_built_once_for_its_hash_and_its_send(ssim, db, monkeypatch):
     """The row's identity (request_hash) and the request sent are the same body, built once:
-    the reader builds it, hashes it and hands it to the engine, which sends that dict."""
+    the reader builds it, hashes it and hands it to the engine, which sends that dict. (The
+    generic form here; the others hash it less the schema's note: test_typed_small_model.py.)"""
     from batch_llm_assets.assets import reader
     from batch_llm_assets.engine.transport import AiohttpTransport
 

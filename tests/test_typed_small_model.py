@@ -298,3 +298,28 @@ def test_a_non_finite_bound_is_a_clear_error_before_anything_is_sent(bound):
     schema = {"type": "object", "properties": {"confidence": {"type": "number", "minimum": bound}}}
     with pytest.raises(ValueError, match=r"minimum of 'confidence' is (nan|inf); a bound must be"):
         _system("llamacpp", schema)
+
+
+# -- the identity ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["live", "batch"])
+def test_a_new_wording_of_the_schemas_note_sends_no_stored_row_again(tsim, db, monkeypatch, mode):
+    """The note in the system prompt is worked out from the schema, which the body holds
+    already: the request's identity leaves it out, so rows stored before an upgrade that words
+    it differently (or before there was a note) are done, not paid again."""
+    from batch_llm_assets.assets.batch_mode import BatchSettings
+    from batch_llm_assets.assets.structured import OutputSchema
+
+    from .test_batch_mode import batch_config
+
+    batch_config(tsim, completion_s=0.2, line_fail=0.0, expire_fraction=None)
+    kw = {"mode": "batch", "batch": BatchSettings(poll_first_s=0.2, poll_max_s=0.5)}
+    make = (lambda: asset(**kw)) if mode == "batch" else asset
+    assert run(make(), tsim, db, provider="llamacpp").success
+    assert duckdb_query(db, "SELECT count(*) FROM news_sentiment WHERE status = 'ok'") == [
+        (PER_DAY,)
+    ]
+    monkeypatch.setattr(OutputSchema, "_note", "- confidence: a number from 0 to 1")
+    tsim.reset()
+    assert run(make(), tsim, db, provider="llamacpp").success
+    stats = tsim.stats()
+    assert (stats.get("received", 0), stats.get("batches_created", 0)) == (0, 0)

@@ -251,16 +251,19 @@ class BatchPartitionRun:
             return None
         breaker.observe(None, None)
         shaped: dict[str, Any] = {}
-        if self.spec.output_schema is not None:
-            shaped, messages = self.spec.output_schema.shape(self.provider_kind, messages)
+        key_messages = messages
+        if (schema := self.spec.output_schema) is not None:  # identity: no note (reader.py)
+            shaped, messages = schema.shape(self.provider_kind, messages)
+            key_messages = schema.shape(self.provider_kind, key_messages, note=False)[1]
         body = {**self.params, **shaped, "model": self.model, "messages": messages}
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = self.max_tokens
-        rhash = request_identity(body, self.scopes[0])
+        key = {**body, "messages": key_messages}
+        rhash = request_identity(key, self.scopes[0])
         cid = custom_id(rid, rhash)
         stored = done.get(rid)
         # Rows stored, or in a batch, under the earlier identity are recognised too.
-        legacy = request_identity(body, self.scopes[1]) if stored or in_flight else None
+        legacy = request_identity(key, self.scopes[1]) if stored or in_flight else None
         if stored is not None and stored in (rhash, legacy):
             self.stats.skipped += 1
             self.finalized.add(rid)

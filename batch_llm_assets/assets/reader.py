@@ -179,15 +179,17 @@ class SliceReader:
                 continue
             self.template.observe(None, None)
             assert self._engine is not None
+            rendered = messages
             params, messages = (
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
             )
             # The exact body, structured params (the schema) included: a changed schema re-runs.
             # Built once: the same dict is hashed and sent (ChatRequest.body).
             body = None if params is None else self._engine.request_body(messages, params)
-            h = self._hash(messages, body, 0)
+            key = self._identity_body(rendered, params, body)
+            h = self._hash(messages, key, 0)
             stored = done.get(rid)
-            if stored is not None and (stored == h or stored == self._hash(messages, body, 1)):
+            if stored is not None and (stored == h or stored == self._hash(messages, key, 1)):
                 self.stats.skipped += 1
                 continue
             self.hashes[rid] = h
@@ -202,6 +204,23 @@ class SliceReader:
                 repair_attempts=self.spec.repair_attempts,
                 body=body,
             )
+
+    def _identity_body(
+        self,
+        rendered: list[dict[str, Any]],
+        params: dict[str, Any] | None,
+        body: dict[str, Any] | None,
+    ) -> dict[str, Any] | None:
+        """The body a typed row's identity is taken from: the one sent, less the schema's note
+        in the system prompt. The note is worked out from the schema the body holds already,
+        so leaving it out loses nothing, and a change of its wording (an upgrade) sends no
+        stored row again."""
+        kind = self.provider_kind  # the generic form states the whole schema, with no note
+        if self.typed is None or params is None or not self.typed.has_note or kind == "generic":
+            return body
+        assert self._engine is not None
+        _, bare = self.typed.shape(self.provider_kind, rendered, note=False)
+        return self._engine.request_body(bare, params)
 
     def _hash(
         self, messages: list[dict[str, Any]], body: dict[str, Any] | None, legacy: int

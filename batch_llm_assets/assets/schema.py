@@ -34,9 +34,10 @@ _DESCRIPTIONS = {
     "empty_answer, malformed_response, invalid_output, empty_prompt, context_length, rate_limited, ...",
     "finish_reason": "the provider's finish_reason (stop, length, content_filter, tool_calls)",
     "refusal": "the model's refusal message, when it refused",
-    "request_hash": "sha256 of the exact request body sent (model, max_tokens, params, messages) "
-    "and the endpoint (base_url, api_version), numbers normalised: a rerun skips ok rows whose "
-    "hash is unchanged",
+    "request_hash": "sha256 of the exact request body sent (model, max_tokens, params, messages; "
+    "for typed outputs less the schema's note in the system prompt, which the schema in the body "
+    "determines) and the endpoint's scope, numbers normalised: a rerun skips ok rows whose hash "
+    "is unchanged",
     "cost_usd": "NULL when the model's price is unknown",
     "latency_ms": "the successful attempt's time",
     "total_ms": "first send to final result, retries and waits included",

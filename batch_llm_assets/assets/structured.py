@@ -150,13 +150,18 @@ class OutputSchema:
         )
 
     def shape(
-        self, provider_kind: str, messages: list[dict[str, Any]]
+        self, provider_kind: str, messages: list[dict[str, Any]], *, note: bool = True
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The request's structured params and messages, in the provider's form."""
-        schema, strict = self.json_schema(), self.strict_ok
+        """The request's structured params and messages, in the provider's form; without the
+        schema's note in the system prompt when `note` is False (the request's identity)."""
+        schema, strict, text = self.json_schema(), self.strict_ok, self._note if note else ""
         return shape_request(
-            provider_kind, schema, messages, {}, name=self.name, strict=strict, note=self._note
+            provider_kind, schema, messages, {}, name=self.name, strict=strict, note=text
         )
+
+    @property
+    def has_note(self) -> bool:
+        return bool(self._note)
 
     @functools.cached_property
     def _note(self) -> str:
