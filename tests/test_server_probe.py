@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 
 import pytest
@@ -137,6 +138,19 @@ def test_a_server_that_answers_no_probe_well_is_generic_with_one_warning(hostile
     warnings = probe_warnings(caplog)
     assert len(warnings) == 1 and "Could not tell which server" in warnings[0]
     assert "LLMResource.provider" in warnings[0]
+
+
+def test_no_server_at_all_is_generic_with_one_warning(caplog):
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    llm = LLMResource(base_url=f"http://user:secret@127.0.0.1:{port}/v1?k=1", api_key="sk-x")
+    with caplog.at_level(logging.INFO, logger=PROBE_LOG):
+        open_engine(llm)
+    warnings = probe_warnings(caplog)
+    assert llm.server_kind == "generic" and len(warnings) == 1
+    assert f"http://127.0.0.1:{port}/v1 " in warnings[0]  # no credentials, no query
+    assert "secret" not in caplog.text and "sk-x" not in caplog.text
 
 
 def test_identify_reads_only_what_each_server_says():
