@@ -111,6 +111,8 @@ def fresh_sim(sim):
         fail_param=None,
         typed_mode="obeys",
         models={"sim-1": 16_384, "gpt-4o-mini": 128_000},
+        server_kind="simulator",
+        served_model=None,
     )
     sim.reset()
     return sim

@@ -434,11 +434,10 @@ def test_providers_are_told_apart_by_their_url():
     assert detect_provider("https://any", api_version="2024-10-21") == "azure"
     g = "https://generativelanguage.googleapis.com/v1beta/openai"
     assert detect_provider(g) == "gemini"
-    assert detect_provider("http://localhost:8000/v1") == "vllm"
-    assert detect_provider("http://localhost:8080/v1") == "llamacpp"
-    assert detect_provider("http://localhost:11434/v1") == "llamacpp"
-    assert detect_provider("http://gateway.internal/v1") == "generic"
-    local = profile_for(None, "http://localhost:8080/v1")
+    # Any other server is asked what it is (test_server_detect.py): its port says nothing.
+    for url in ("http://localhost:8000/v1", "http://localhost:8080/v1", "http://vllm:11434/v1"):
+        assert detect_provider(url) == "generic"
+    local = profile_for("llamacpp", "http://localhost:8000/v1")
     assert local.max_concurrency <= 8 and local.request_timeout_s >= 300
     with pytest.raises(ValueError, match="unknown provider 'bedrock'"):
         profile_for("bedrock", "")
@@ -448,10 +447,12 @@ def test_providers_are_told_apart_by_their_url():
 
 
 def test_a_resource_takes_its_profile_defaults():
-    llm = LLMResource(base_url="http://localhost:11434/v1", model="llama3")
+    llm = LLMResource(base_url="http://localhost:11434/v1", model="llama3", provider="ollama")
     assert llm.profile.name == "llamacpp" and llm.concurrency == 4
     assert llm.engine_settings().request_timeout_s == 600
-    assert LLMResource(provider="ollama").profile.name == "llamacpp"
+    assert LLMResource(provider="llama-cpp-python").profile.name == "llamacpp"
+    # Not yet asked, a server that is not a hosted API has the generic profile.
+    assert LLMResource(base_url="http://localhost:11434/v1").profile.name == "generic"
     with pytest.raises(Exception, match="unknown provider"):
         LLMResource(provider="nope")
 

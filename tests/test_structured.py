@@ -279,9 +279,10 @@ def test_the_request_body_for_each_provider_kind(kind):
         ("https://api.openai.com/v1", None, None, "openai"),
         ("https://acme.openai.azure.com", "2024-10-21", None, "azure"),
         ("https://generativelanguage.googleapis.com/v1beta/openai", None, None, "gemini"),
-        ("http://localhost:11434/v1", None, None, "ollama"),
-        ("http://vllm.internal:8000/v1", None, None, "vllm"),
-        ("http://llama-server:8080/v1", None, None, "llamacpp"),
+        # A port or a host name decides nothing: the server is asked (test_server_detect.py).
+        ("http://localhost:11434/v1", None, None, "generic"),
+        ("http://vllm.internal:8000/v1", None, None, "generic"),
+        ("http://llama-server:8080/v1", None, None, "generic"),
         ("http://10.0.0.5:9000/v1", None, None, "generic"),
         ("http://10.0.0.5:9000/v1", None, "llama.cpp", "llamacpp"),
         ("https://api.openai.com/v1", None, "vLLM", "vllm"),

@@ -35,7 +35,7 @@ from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSess
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
 from .metadata import RunStats, money
-from .pricing import cost_usd, price_for_resource, served_model
+from .pricing import Price, cost_usd, price_for_resource, served_model
 from .prompt import CompiledPrompt
 from .reader import SliceReader
 from .structured import OutputSchema
@@ -101,11 +101,11 @@ class PartitionRun:
         self.lease_ttl_s = lease_ttl_s
         self.max_write_rows = max(max_write_rows, spec.chunk_rows)
         self.model = spec.model or llm.model
-        self.price = price_for_resource(llm, self.model, logger=log)
+        self.price: Price | None = None  # priced when the engine opens (_priced)
         self.served_model: str | None = None
         window = llm.engine_settings(model=spec.model, params=spec.params).context_window
         self.max_prompt_chars = spec.prompt.max_chars_for(window)
-        self.stats = RunStats(cost_usd=0.0 if self.price is not None else None)
+        self.stats = RunStats(cost_usd=None)
         self.scope = f"{warehouse_identity}|{spec.output.name}"
         self.journal_dir = journal_dir or default_journal_dir()
         self.journal: ResultJournal | None = None
@@ -257,6 +257,7 @@ class PartitionRun:
         )
         failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
+            self._priced()
             consumer = asyncio.create_task(self._consume(engine, writer, started, failed))
             writing = asyncio.create_task(writer.run())
             try:
@@ -288,6 +289,14 @@ class PartitionRun:
                 await cancel_and_wait((consumer, writing), every_s=2.0)
         self.journal.clear()  # everything is in the warehouse now
         self.stats.wall_s = time.monotonic() - started
+
+    def _priced(self) -> None:
+        """The run's price, once the engine is open: a self-hosted server is known by then
+        (pricing follows what it is, not its host), and so is the model it serves (a
+        different one was warned about then: the answers naming it are not warned again)."""
+        self.price = price_for_resource(self.llm, self.model, logger=self.log)
+        self.stats.cost_usd = 0.0 if self.price is not None else None
+        self.served_model = self.llm.served_name(self.model)
 
     def _last_answer_eta(self, started: float) -> float | None:
         """Seconds until the last answer at the rate so far (None before there is one)."""

@@ -2,9 +2,10 @@
 
 Models are matched exactly as the library lists them (dated snapshots, -pro variants), cached
 input tokens at their own rate, and Batch API prices when asked. A local server (base_url on
-localhost, or a llama.cpp / Ollama / vLLM profile) is not priced (cost NULL, shown "not priced",
-never a misleading 0) unless prices are set or `price_as_model` names a listed model (the demo's
-simulator is priced as the model it names, labelled simulated). Unknown models cost NULL, with
+localhost, or a llama.cpp / Ollama / vLLM / llama-cpp-python profile, set or found by asking the
+server, whatever its host) is not priced (cost NULL, shown "not priced", never a misleading 0)
+unless prices are set or `price_as_model` names a listed model (the demo's simulator is priced
+as the model it names, labelled simulated). Unknown models cost NULL, with
 one warning naming LLMResource's price fields. The data is the snapshot
 shipped with the package: nothing is downloaded at run time (upgrade genai-prices for new data).
 """
@@ -22,7 +23,9 @@ import genai_prices
 log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "host.docker.internal"})
-LOCAL_PROVIDERS = frozenset({"llama.cpp", "llamacpp", "ollama", "vllm", "lmstudio", "local"})
+LOCAL_PROVIDERS = frozenset(
+    {"llama.cpp", "llamacpp", "ollama", "vllm", "llama-cpp-python", "lmstudio", "local"}
+)
 # Our provider profiles -> genai-prices provider ids (else the library guesses from the model).
 _PROVIDER_IDS = {"openai": "openai", "azure": "azure", "gemini": "google", "google": "google"}
 _UNKNOWN_HINT = (
@@ -94,8 +97,9 @@ def _library_rates(model: str, provider_id: str | None, batch: bool) -> tuple[fl
 def price_for_resource(
     llm: Any, model: str, *, batch: bool = False, logger: Any = None
 ) -> Price | None:
-    """`price_for` with an LLMResource's price overrides, endpoint and provider; with
-    `price_as_model`, the list price of that model instead (a stand-in such as the simulator)."""
+    """`price_for` with an LLMResource's price overrides, endpoint and provider (the setting,
+    else what the server said it is when the engine opened); with `price_as_model`, the list
+    price of that model instead (a stand-in such as the simulator)."""
     as_model = getattr(llm, "price_as_model", None)
     if as_model and llm.price_input_per_1m is None:
         rates = _library_rates(as_model, "openai", batch) or _library_rates(as_model, None, batch)
@@ -107,7 +111,7 @@ def price_for_resource(
         output_override=llm.price_output_per_1m,
         cached_input_override=llm.price_cached_input_per_1m,
         base_url=llm.base_url,
-        provider=getattr(llm, "provider", None),
+        provider=getattr(llm, "provider", None) or getattr(llm, "server_kind", None),
         batch=batch,
         logger=logger,
     )
@@ -183,12 +187,17 @@ def served_model(
     configured: str, answered: str | None, seen: str | None, logger: Any
 ) -> str | None:
     """The model named in the answers; warns once when it is not the configured one (nor a dated
-    snapshot of it), since the cost was priced for the configured model."""
+    snapshot of it), since the cost was priced for the configured model: the first time the
+    answers depart from it, not again when they name a third model."""
     if not answered or answered == seen:
         return seen or answered
-    if answered != configured and not answered.startswith(configured + "-"):
+    if not _same_model(answered, configured) and (seen is None or _same_model(seen, configured)):
         (logger or log).warning(
             f"The provider answered with model {answered!r}, not the configured {configured!r}: "
             "rows record the served model; costs use the configured model's price."
         )
     return answered
+
+
+def _same_model(answered: str, configured: str) -> bool:
+    return answered == configured or answered.startswith(configured + "-")

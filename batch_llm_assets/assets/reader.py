@@ -71,7 +71,8 @@ class SliceReader:
         self.template = TemplateBreaker()
         self._identities: dict[tuple[str, int], MessagesIdentity] = {}
         self._stop = threading.Event()
-        # Typed outputs: the provider's form of structured output.
+        # Typed outputs: the provider's form of structured output (known for sure once the
+        # engine is open: a self-hosted server is asked then).
         self.provider_kind = provider_kind(
             llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
         )
@@ -82,6 +83,7 @@ class SliceReader:
     async def requests(self, engine: Engine) -> AsyncIterator[ChatRequest]:
         """The slice's requests for `engine` (whose exact bodies are hashed), in id order."""
         self._engine = engine
+        self.provider_kind = getattr(self.llm, "structured_kind", self.provider_kind)
         if self.spec.prompt.plain and self.db.reads_on_loop:
             chunks = self.db.read_slice(self.spec.source, self.where, self.spec.chunk_rows)
             with contextlib.closing(chunks):

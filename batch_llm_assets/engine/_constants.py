@@ -108,6 +108,14 @@ REDIS_CONNECT_TIMEOUT_S = 5.0
 # (40-80 ms before the first send), and a server with maxclients is spared.
 REDIS_MAX_CONNECTIONS = 16
 
+# Asking a self-hosted server what it is (engine/server_probe.py): each GET of the probe (they run
+# at once) may take this long, and an answer over PROBE_MAX_BYTES is not read (a server answers
+# these in a few hundred bytes; a gateway's model list in tens of kB). A context window a server
+# reports above PROBE_MAX_CONTEXT_WINDOW is not believed.
+PROBE_TIMEOUT_S = 2.0
+PROBE_MAX_BYTES = 1_048_576
+PROBE_MAX_CONTEXT_WINDOW = 100_000_000
+
 # Context windows (tokens) of well-known models; override with LLMResource.context_window.
 CONTEXT_WINDOWS = {
     "gpt-5": 400_000,

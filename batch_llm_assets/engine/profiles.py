@@ -1,20 +1,36 @@
 """Provider profiles: what differs between OpenAI-compatible servers, in one place.
 
-A profile is chosen from the base URL (or set explicitly with `LLMResource.provider`) and says
-which token-limit parameter a model takes, how many requests a server handles at once, how long
-and an answer may take.
+A profile says which token-limit parameter a model takes, how many requests a server handles at
+once and how long an answer may take. It is set with `LLMResource.provider`, else known from a
+hosted API's URL (api.openai.com, Azure, Gemini); any other server is asked what it is when an
+engine opens (server_probe.py): its port says nothing (a llama.cpp server on port 8000 is
+still llama.cpp).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-log = logging.getLogger(__name__)
-
-PROVIDERS = ("openai", "azure", "gemini", "vllm", "llamacpp", "generic")
+PROVIDERS = (
+    "openai",
+    "azure",
+    "gemini",
+    "vllm",
+    "llamacpp",
+    "ollama",
+    "llama-cpp-python",
+    "generic",
+)
+# Names that share a profile: Ollama and llama-cpp-python run one model on local hardware, as
+# llama.cpp's server does.
+_ALIASES = {
+    "ollama": "llamacpp",
+    "llama.cpp": "llamacpp",
+    "llama-cpp-python": "llamacpp",
+    "llama_cpp_python": "llamacpp",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,29 +52,23 @@ PROFILES = {
 
 
 def detect_provider(base_url: str, *, api_version: str | None = None) -> str:
-    """The profile name a base URL implies; `generic` when nothing identifies it."""
+    """The hosted API a base URL names (openai, azure, gemini); `generic` for any other server,
+    which only the server itself can identify (server_probe.py)."""
     if api_version:
         return "azure"
-    parsed = urlparse(base_url)
-    host = (parsed.hostname or "").lower()
+    host = (urlparse(base_url).hostname or "").lower()
     if host.endswith("openai.azure.com") or host.endswith("cognitiveservices.azure.com"):
         return "azure"
     if host == "api.openai.com":
         return "openai"
     if host == "generativelanguage.googleapis.com" or host.endswith("aiplatform.googleapis.com"):
         return "gemini"
-    if parsed.port == 11434 or "ollama" in host:
-        return "llamacpp"  # Ollama: one model on local hardware, like llama.cpp's server
-    if parsed.port == 8080 or "llama" in host:
-        return "llamacpp"
-    if parsed.port == 8000 or "vllm" in host:
-        return "vllm"
     return "generic"
 
 
 def profile_for(provider: str | None, base_url: str, *, api_version: str | None = None) -> Profile:
-    name = provider or detect_provider(base_url, api_version=api_version)
-    name = {"ollama": "llamacpp", "llama.cpp": "llamacpp"}.get(name, name)
+    name = (provider or detect_provider(base_url, api_version=api_version)).lower()
+    name = _ALIASES.get(name, name)
     if name not in PROFILES:
         raise ValueError(f"unknown provider {name!r}; expected one of {', '.join(PROVIDERS)}")
     return PROFILES[name]
@@ -98,22 +108,3 @@ def context_window_from_models(payload: Any, model: str) -> int | None:
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     return value
     return None
-
-
-async def discover_context_window(
-    *, base_url: str, model: str, headers: dict[str, str], timeout_s: float = 5.0
-) -> int | None:
-    """Ask the server's /v1/models for the model's context window; None if it does not say."""
-    import aiohttp
-
-    url = base_url.rstrip("/") + "/models"
-    try:
-        async with aiohttp.ClientSession(headers=headers) as session:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                if resp.status != 200:
-                    return None
-                payload = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        log.debug("Could not read %s: %s", url, type(exc).__name__)
-        return None
-    return context_window_from_models(payload, model)

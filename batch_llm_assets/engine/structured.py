@@ -22,7 +22,6 @@ import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import urlparse
 
 from . import _constants as C
 from . import errors as E
@@ -43,19 +42,22 @@ _REJECTION = re.compile(
 
 
 def provider_kind(
-    base_url: str, *, api_version: str | None = None, provider: str | None = None
+    base_url: str,
+    *,
+    api_version: str | None = None,
+    provider: str | None = None,
+    detected: str | None = None,
 ) -> str:
-    """The structured-output form to ask in: the provider profile's name (profiles.py: an
-    explicit `provider` wins, else the URL), except Ollama, which shares llama.cpp's profile
-    but has a form of its own."""
-    if provider:
-        name = re.sub(r"[^a-z]", "", provider.lower())
-        name = {"azureopenai": "azure", "llama": "llamacpp"}.get(name, name)
-        return name if name in KINDS else "generic"
-    url = urlparse(base_url)
-    if url.port == 11434 or "ollama" in (url.hostname or "").lower():
-        return "ollama"
-    return detect_provider(base_url, api_version=api_version)
+    """The structured-output form to ask in: an explicit `provider` wins, then a hosted API's
+    URL, then what the server said it is (`detected`, server_probe.py: Ollama shares
+    llama.cpp's profile but has a form of its own), else generic."""
+    hosted = detect_provider(base_url, api_version=api_version)
+    name = provider or (hosted if hosted != "generic" else detected) or "generic"
+    name = re.sub(r"[^a-z]", "", name.lower())
+    name = {"azureopenai": "azure", "llama": "llamacpp", "llamacpppython": "llamacpp"}.get(
+        name, name
+    )
+    return name if name in KINDS else "generic"
 
 
 def shape_request(

@@ -13,8 +13,10 @@ from pydantic import Field, PrivateAttr, field_validator
 from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
 from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
-from ..engine.profiles import Profile, discover_context_window, profile_for
+from ..engine.profiles import Profile, profile_for
 from ..engine.redis_client import check_redis, connect_redis, safe_url
+from ..engine.server_probe import ServerInfo, discover_context_window, probe_server
+from ..engine.structured import provider_kind
 from ..engine.transport import TRANSPORTS
 from ..engine.valkey import EmbeddedValkey
 
@@ -51,11 +53,13 @@ class LLMResource(dg.ConfigurableResource):
     )
     provider: str | None = Field(
         default=None,
-        description="Provider profile: openai, azure, gemini, vllm, llamacpp (or ollama), "
-        "generic. It sets the token-limit parameter, default concurrency and timeout, "
-        "structured-output support and usage handling. None: chosen from base_url "
-        "(api.openai.com, *.openai.azure.com, generativelanguage.googleapis.com, port 8000 "
-        "vLLM, port 8080/11434 llama.cpp/Ollama; else generic).",
+        description="Provider profile: openai, azure, gemini, vllm, llamacpp, ollama, "
+        "llama-cpp-python, generic. It sets the token-limit parameter, default concurrency and "
+        "timeout, the structured-output form, usage handling and pricing. None: a hosted API "
+        "is known by its base_url (api.openai.com, *.openai.azure.com, "
+        "generativelanguage.googleapis.com); any other server is asked what it is once when "
+        "the engine opens (/v1/models, /props, /api/version, /version), generic (with a "
+        "warning) when it does not say.",
     )
     identity_endpoint: bool = Field(
         default=False,
@@ -170,6 +174,7 @@ class LLMResource(dg.ConfigurableResource):
     )
 
     _valkey: EmbeddedValkey | None = PrivateAttr(default=None)
+    _servers: dict[str, ServerInfo] = PrivateAttr(default_factory=dict)  # model -> the probe's
 
     @field_validator("base_url")
     @classmethod
@@ -190,8 +195,31 @@ class LLMResource(dg.ConfigurableResource):
             yield name, ("***" if name == "api_key" and value else value)
 
     @property
+    def server_kind(self) -> str | None:
+        """What the server said it is when the engine opened (server_probe.py), or None."""
+        return next((s.kind for s in self._servers.values()), None)
+
+    @property
     def profile(self) -> Profile:
-        return profile_for(self.provider, self.base_url, api_version=self.api_version)
+        """The provider's profile: the setting, a hosted API's URL, else what the server said."""
+        name = self.provider or self.server_kind
+        return profile_for(name, self.base_url, api_version=self.api_version)
+
+    def served_name(self, model: str) -> str | None:
+        """The model the server said it serves when it does not list `model` (already warned
+        about when the engine opened), else None."""
+        info = self._servers.get(model)
+        return info.models[0] if info is not None and not info.serves(model) else None
+
+    @property
+    def structured_kind(self) -> str:
+        """The structured-output form typed outputs are asked in (engine/structured.py)."""
+        return provider_kind(
+            self.base_url,
+            api_version=self.api_version,
+            provider=self.provider,
+            detected=self.server_kind,
+        )
 
     @property
     def concurrency(self) -> int:
@@ -253,14 +281,28 @@ class LLMResource(dg.ConfigurableResource):
             breaker_threshold=self.breaker_threshold,
         )
 
-    async def _context_window(self, settings: EngineSettings) -> None:
-        """Ask a self-hosted server for the model's context window when nobody said it."""
-        if settings.context_window or self.profile.hosted:
+    async def _know_server(self, settings: EngineSettings) -> None:
+        """Ask a self-hosted server what it is (once per model; not when `provider` names it)
+        and the model's context window; the profile's defaults then follow what it said. A
+        hosted API is never asked. The window the server reports beats the known-models
+        table (a local server may serve any model under a hosted model's name)."""
+        if self.profile.hosted:
             return
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        settings.context_window = await discover_context_window(
-            base_url=self.base_url, model=settings.model, headers=headers
-        )
+        if self.provider is not None:
+            if not settings.context_window:
+                settings.context_window = await discover_context_window(
+                    base_url=self.base_url, model=settings.model, headers=headers
+                )
+            return
+        info = self._servers.get(settings.model)
+        if info is None:
+            info = await probe_server(base_url=self.base_url, model=settings.model, headers=headers)
+            self._servers[settings.model] = info
+        if not self.context_window and info.context_window:
+            settings.context_window = info.context_window
+        settings.max_concurrency = self.concurrency
+        settings.request_timeout_s = self.request_timeout_s or self.profile.request_timeout_s
 
     @contextlib.asynccontextmanager
     async def engine(
@@ -271,17 +313,18 @@ class LLMResource(dg.ConfigurableResource):
         `model` and `params` override the resource's for this engine (one asset, one model).
         """
         model = model or self.model
+        settings = self.engine_settings(model=model, params=params)
+        await self._know_server(settings)
         transport = TRANSPORTS[self.transport](
             base_url=self.base_url,
             api_key=self.api_key,
             api_version=self.api_version,
             model=model,
-            max_connections=self.concurrency,
+            max_connections=settings.max_concurrency,
         )
         client = None
         limiter = None
         engine = None
-        settings = self.engine_settings(model=model, params=params)
         if self.limited:
             if self.effective_redis_url is None:
                 self.start()
@@ -304,7 +347,6 @@ class LLMResource(dg.ConfigurableResource):
         try:
             if limiter is not None:
                 await limiter.prepare()
-            await self._context_window(settings)
             engine = Engine(settings, transport, limiter)
             yield engine
         finally:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from . import structured
+from . import kinds, structured
 from .answers import draw_shape, rejection, shaped_choice
-from .content import answer, structured_answer
+from .content import answer, fit, structured_answer
 from .counting import messages_digest, prompt_tokens
 from .responses import error, limit_headers, openai_duration, retry_headers
 
@@ -78,7 +78,7 @@ def refused(sim: Simulator, request: web.Request, body: dict, model: str) -> web
     if cfg.fail_param and cfg.fail_param in body:
         counts["fail_param"] += 1
         return error(500, f"Unsupported '{cfg.fail_param}'", "server_error", None)
-    if model not in cfg.models:
+    if model not in cfg.models and not cfg.served_model:  # one served model answers any name
         counts["not_found"] += 1
         return error(
             404,
@@ -188,7 +188,7 @@ async def chat(sim: Simulator, request: web.Request) -> web.StreamResponse:
         messages, model, counting=cfg.counting, noise=cfg.count_noise, seed=cfg.seed
     )
     max_tokens = budget or cfg.default_max_tokens
-    window = cfg.models[model]
+    window = cfg.models[cfg.served_model or model]
     if prompt + max_tokens > window:
         sim.counts["context_length"] += 1
         return _bad_request(
@@ -211,7 +211,13 @@ async def _answer(sim, body, messages, model, max_tokens, prompt, answer_headers
     cfg = sim.config
     refusal = None
     schema = structured.requested_schema(body)
-    if schema is not None:  # typed outputs: JSON generated from the schema
+    form = kinds.form_of(body)
+    if form is not None:
+        sim.counts[f"form_{form}"] += 1
+    if schema and not kinds.honours(cfg.server_kind, form):
+        sim.counts["form_ignored"] += 1  # this kind of server does not read that form
+        content, completion, finish = fit(kinds.schema_copied_back(schema), model, max_tokens)
+    elif schema is not None:  # typed outputs: JSON generated from the schema
         content, refusal, completion, finish = structured_answer(
             schema, messages, model, max_tokens, config=cfg
         )
@@ -243,7 +249,7 @@ async def _answer(sim, body, messages, model, max_tokens, prompt, answer_headers
             "id": f"chatcmpl-{sim.counts['answered']}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": model,
+            "model": kinds.answer_model(cfg, model),
             "choices": choices,
             **usage(cfg.usage_shape, prompt, completion),
         },

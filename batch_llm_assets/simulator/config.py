@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .counting import COUNTINGS
+from .kinds import SERVER_KINDS
 from .limits import ENFORCEMENTS
 from .structured import TYPED_MODES
 
@@ -86,6 +87,11 @@ class SimConfig:
     reasoning: bool = False  # reject max_tokens (400 unsupported_parameter), as gpt-5 / o-series
     insufficient_quota: bool = False  # every request: 429 insufficient_quota
     fail_param: str | None = None  # a deterministic 500 for every body that has this parameter
+    # Which real server it answers as (simulator/kinds.py): its probe routes, its one
+    # structured-output form. served_model: the one model it holds (one of `models`), answered
+    # under any name the request gives, as llama.cpp and llama-cpp-python do.
+    server_kind: str = "simulator"
+    served_model: str | None = None
 
 
 _CHOICES = {
@@ -95,6 +101,7 @@ _CHOICES = {
     "retry_after": RETRY_AFTER_STYLES,
     "usage_shape": USAGE_SHAPES,
     "typed_mode": TYPED_MODES,
+    "server_kind": SERVER_KINDS,
 }
 
 
@@ -115,6 +122,8 @@ def check(config: SimConfig) -> SimConfig:
         value = getattr(config, name)
         if not (_positive(value) and math.isfinite(value) and value <= 3600):
             raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
+    if config.served_model is not None and config.served_model not in config.models:
+        raise ValueError(f"served_model must be one of models, got {config.served_model!r}")
     noise = config.count_noise
     if not (isinstance(noise, int | float) and 0 <= noise < 1):
         raise ValueError(f"count_noise must be a fraction in [0, 1), got {noise!r}")

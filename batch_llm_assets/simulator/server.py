@@ -19,6 +19,7 @@ from collections import Counter
 from aiohttp import web
 
 from ..engine.tokens import encoding_for
+from . import kinds
 from .answers import echo_key
 from .chat import chat
 from .config import LIMIT_SETTINGS, SimConfig, check, updated
@@ -68,6 +69,8 @@ class Simulator:
         app.router.add_post("/v1/chat/completions", chat_route)
         app.router.add_post("/openai/deployments/{deployment}/chat/completions", chat_route)
         app.router.add_get("/v1/models", self.models)
+        for path in kinds.ROOT_ROUTES:  # what a client probes (simulator/kinds.py)
+            app.router.add_get(path, self.root_route)
         app.router.add_get("/stats", self.stats_route)
         app.router.add_post("/admin/config", self.set_config)
         app.router.add_post("/admin/reset", self.admin_reset)
@@ -78,11 +81,17 @@ class Simulator:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [
-            {"id": m, "object": "model", "owned_by": "simulator", "max_model_len": n}
-            for m, n in self.config.models.items()
-        ]
-        return web.json_response({"object": "list", "data": data})
+        self.counts["probe_/v1/models"] += 1
+        cfg = self.config
+        return web.json_response(kinds.models_body(cfg.server_kind, kinds.served_models(cfg)))
+
+    async def root_route(self, request: web.Request) -> web.Response:
+        self.counts[f"probe_{request.path}"] += 1
+        cfg = self.config
+        status, body = kinds.root_route(cfg.server_kind, request.path, kinds.served_models(cfg))
+        if body is None:
+            return web.Response(status=status)
+        return web.json_response(body, status=status)
 
     async def stats_route(self, request: web.Request) -> web.Response:
         config = dataclasses.asdict(self.config) | {"api_key": None}  # never the key
