@@ -568,28 +568,3 @@ def test_schema_evolution_on_the_bigquery_emulator(ssim, bq_endpoint, bq, datase
     result, _ = run(bq_asset({**grown, "confidence": "integer"}), ssim, warehouse)
     message = result.get_step_failure_events()[0].step_failure_data.error.message
     assert "confidence is FLOAT64, expected INT64" in message
-
-
-def test_a_typed_rows_body_is_built_once_for_its_hash_and_its_send(ssim, db, monkeypatch):
-    """The row's identity (request_hash) and the request sent are the same body, built once:
-    the reader builds it, hashes it and hands it to the engine, which sends that dict. (The
-    generic form here; the others hash it less the schema's note: test_typed_small_model.py.)"""
-    from batch_llm_assets.assets import reader
-    from batch_llm_assets.engine.transport import AiohttpTransport
-
-    hashed, sent = {}, {}  # by id, holding the dicts (so no id is reused)
-    identity, chat = reader.request_identity, AiohttpTransport.chat
-
-    def hashing(body, *args, **kw):
-        hashed[id(body)] = body
-        return identity(body, *args, **kw)
-
-    async def sending(self, body, timeout):
-        sent[id(body)] = body
-        return await chat(self, body, timeout)
-
-    monkeypatch.setattr(reader, "request_identity", hashing)
-    monkeypatch.setattr(AiohttpTransport, "chat", sending)
-    result, md = run(asset(), ssim, DuckDBWarehouse(database=db))
-    assert result.success and md["run/rows_ok"] == PER_DAY
-    assert len(sent) == PER_DAY and sent.keys() <= hashed.keys()

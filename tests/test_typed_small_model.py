@@ -302,10 +302,11 @@ def test_a_non_finite_bound_is_a_clear_error_before_anything_is_sent(bound):
 
 # -- the identity ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["live", "batch"])
-def test_a_new_wording_of_the_schemas_note_sends_no_stored_row_again(tsim, db, monkeypatch, mode):
-    """The note in the system prompt is worked out from the schema, which the body holds
-    already: the request's identity leaves it out, so rows stored before an upgrade that words
-    it differently (or before there was a note) are done, not paid again."""
+def test_a_new_note_or_form_sends_no_stored_typed_row_again(tsim, db, monkeypatch, mode):
+    """A typed row's identity is what is asked (the rendered messages and the schema), not the
+    provider's form of it nor the note stating the schema's bounds: rows stored before an
+    upgrade that words the note differently, or before the server was detected as another
+    kind, are done, not paid again."""
     from batch_llm_assets.assets.batch_mode import BatchSettings
     from batch_llm_assets.assets.structured import OutputSchema
 
@@ -323,3 +324,28 @@ def test_a_new_wording_of_the_schemas_note_sends_no_stored_row_again(tsim, db, m
     assert run(make(), tsim, db, provider="llamacpp").success
     stats = tsim.stats()
     assert (stats.get("received", 0), stats.get("batches_created", 0)) == (0, 0)
+    # Nor does another form of asking for the schema: the server detected as vLLM this time.
+    assert run(make(), tsim, db, provider="vllm").success
+    stats = tsim.stats()
+    assert (stats.get("received", 0), stats.get("batches_created", 0)) == (0, 0)
+
+
+def test_rows_stored_under_the_exact_body_before_are_done(tsim, db, monkeypatch):
+    """Rows stored when a typed row's identity was the exact body sent (form and note
+    included) are recognised: the upgrade to the form-free identity pays for nothing again."""
+    from batch_llm_assets.assets import reader
+
+    key = reader.SliceReader._render
+
+    def exact_body_identity(self, chunk, done):  # the identity of the earlier releases
+        for req in key(self, chunk, done):
+            if req.body is not None:
+                self.hashes[req.id] = reader.request_identity(req.body, self.scopes[0])
+            yield req
+
+    monkeypatch.setattr(reader.SliceReader, "_render", exact_body_identity)
+    assert run(asset(), tsim, db, provider="llamacpp").success
+    monkeypatch.undo()
+    tsim.reset()
+    assert run(asset(), tsim, db, provider="llamacpp").success
+    assert tsim.stats().get("received", 0) == 0

@@ -251,24 +251,24 @@ class BatchPartitionRun:
             return None
         breaker.observe(None, None)
         shaped: dict[str, Any] = {}
-        key_messages = messages
-        if (schema := self.spec.output_schema) is not None:  # identity: no note (reader.py)
+        key = {**self.params, "model": self.model, "messages": messages}  # identity: reader.py
+        if (schema := self.spec.output_schema) is not None:
             shaped, messages = schema.shape(self.provider_kind, messages)
-            key_messages = schema.shape(self.provider_kind, key_messages, note=False)[1]
+            key |= schema.identity
         body = {**self.params, **shaped, "model": self.model, "messages": messages}
         if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = self.max_tokens
-        key = {**body, "messages": key_messages}
+            body["max_tokens"] = key["max_tokens"] = self.max_tokens
         rhash = request_identity(key, self.scopes[0])
         cid = custom_id(rid, rhash)
         stored = done.get(rid)
-        # Rows stored, or in a batch, under the earlier identity are recognised too.
+        # Rows stored, or in a batch, under the earlier identities are recognised too.
         legacy = request_identity(key, self.scopes[1]) if stored or in_flight else None
-        if stored is not None and stored in (rhash, legacy):
+        exact = request_identity(body, self.scopes[0]) if (stored or in_flight) and schema else None
+        if stored is not None and stored in (rhash, legacy, exact):
             self.stats.skipped += 1
             self.finalized.add(rid)
             return None
-        if cid in in_flight or (legacy and custom_id(rid, legacy) in in_flight):
+        if cid in in_flight or any(h and custom_id(rid, h) in in_flight for h in (legacy, exact)):
             return None
         tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
         if self.window and tokens > self.window:

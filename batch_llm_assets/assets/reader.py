@@ -185,13 +185,17 @@ class SliceReader:
             params, messages = (
                 self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
             )
-            # The exact body, structured params (the schema) included: a changed schema re-runs.
-            # Built once: the same dict is hashed and sent (ChatRequest.body).
+            # Built once: the same dict is sent (ChatRequest.body). A typed row's identity is
+            # what is asked (the rendered messages, the schema), not the provider's form of it.
             body = None if params is None else self._engine.request_body(messages, params)
-            key = self._identity_body(rendered, params, body)
+            key = (
+                body
+                if self.typed is None
+                else self._engine.request_body(rendered, self.typed.identity)
+            )
             h = self._hash(messages, key, 0)
             stored = done.get(rid)
-            if stored is not None and (stored == h or stored == self._hash(messages, key, 1)):
+            if stored is not None and self._is_done(stored, h, messages, key, body):
                 self.stats.skipped += 1
                 continue
             self.hashes[rid] = h
@@ -207,22 +211,20 @@ class SliceReader:
                 body=body,
             )
 
-    def _identity_body(
+    def _is_done(
         self,
-        rendered: list[dict[str, Any]],
-        params: dict[str, Any] | None,
+        stored: str,
+        h: str,
+        messages: list[dict[str, Any]],
+        key: dict[str, Any] | None,
         body: dict[str, Any] | None,
-    ) -> dict[str, Any] | None:
-        """The body a typed row's identity is taken from: the one sent, less the schema's note
-        in the system prompt. The note is worked out from the schema the body holds already,
-        so leaving it out loses nothing, and a change of its wording (an upgrade) sends no
-        stored row again."""
-        kind = self.provider_kind  # the generic form states the whole schema, with no note
-        if self.typed is None or params is None or not self.typed.has_note or kind == "generic":
-            return body
-        assert self._engine is not None
-        _, bare = self.typed.shape(self.provider_kind, rendered, note=False)
-        return self._engine.request_body(bare, params)
+    ) -> bool:
+        """Whether a stored ok row's hash is this request's: its identity, in the earlier
+        scope too, or for a typed row the exact body sent (its identity before it left out
+        the provider's form: rows stored then are done as well)."""
+        if stored in (h, self._hash(messages, key, 1)):
+            return True
+        return body is not None and stored == request_identity(body, self.scopes[0])
 
     def _hash(
         self, messages: list[dict[str, Any]], body: dict[str, Any] | None, legacy: int

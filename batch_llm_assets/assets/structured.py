@@ -150,18 +150,19 @@ class OutputSchema:
         )
 
     def shape(
-        self, provider_kind: str, messages: list[dict[str, Any]], *, note: bool = True
+        self, provider_kind: str, messages: list[dict[str, Any]]
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The request's structured params and messages, in the provider's form; without the
-        schema's note in the system prompt when `note` is False (the request's identity)."""
-        schema, strict, text = self.json_schema(), self.strict_ok, self._note if note else ""
+        """The request's structured params and messages, in the provider's form."""
+        schema, strict = self.json_schema(), self.strict_ok
         return shape_request(
-            provider_kind, schema, messages, {}, name=self.name, strict=strict, note=text
+            provider_kind, schema, messages, {}, name=self.name, strict=strict, note=self._note
         )
 
-    @property
-    def has_note(self) -> bool:
-        return bool(self._note)
+    @functools.cached_property
+    def identity(self) -> dict[str, Any]:
+        """A typed request's part of its identity: the schema asked for, in no provider's form
+        (a change of form, of the note's wording or of the detected server re-sends nothing)."""
+        return {"output_schema": {"name": self.name, "schema": self.json_schema()}}
 
     @functools.cached_property
     def _note(self) -> str:
