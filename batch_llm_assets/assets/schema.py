@@ -35,9 +35,8 @@ _DESCRIPTIONS = {
     "finish_reason": "the provider's finish_reason (stop, length, content_filter, tool_calls)",
     "refusal": "the model's refusal message, when it refused",
     "request_hash": "sha256 of the exact request body sent (model, max_tokens, params, messages; "
-    "for typed outputs less the schema's note in the system prompt, which the schema in the body "
-    "determines) and the endpoint's scope, numbers normalised: a rerun skips ok rows whose hash "
-    "is unchanged",
+    "for typed outputs the rendered messages and the schema, in no provider's form) and the "
+    "endpoint's scope, numbers normalised: a rerun skips ok rows whose hash is unchanged",
     "cost_usd": "NULL when the model's price is unknown",
     "latency_ms": "the successful attempt's time",
     "total_ms": "first send to final result, retries and waits included",
