@@ -418,3 +418,30 @@ def test_a_lone_surrogate_in_a_rows_text_is_one_identity(fresh_sim, tmp_path, mo
     assert materialize(asset(), fresh_sim, db).success
     assert received(fresh_sim) == 3
     assert query(db, "SELECT count(*), count(shared_from) FROM news_sentiment") == [(10, 7)]
+
+
+def test_the_lookup_is_indexed_on_new_and_existing_duckdb_tables(fresh_sim, tmp_path):
+    """A new output table is created with its request_hash index; one of the layout before
+    issue 30 (no shared_from, no index) gains both on its next run, and its answers are reused."""
+    from batch_llm_assets.assets.schema import OUTPUT_COLUMNS
+    from batch_llm_assets.warehouses.duckdb_types import TYPES
+
+    def indexes(db):
+        return query(db, "SELECT table_name, expressions FROM duckdb_indexes() ORDER BY 1")
+
+    new_db, old_db = str(tmp_path / "new.duckdb"), str(tmp_path / "old.duckdb")
+    texts = with_duplicates(100, 60, seed=6)
+    for db in (new_db, old_db):
+        make_table(db, {DAY1: texts, DAY2: texts})
+    assert materialize(asset(), fresh_sim, new_db).success
+    assert indexes(new_db) == [("news_sentiment", "[request_hash]")]
+    con = duckdb.connect(old_db)
+    cols = ", ".join(f"{c} {TYPES[t]}" for c, t in OUTPUT_COLUMNS if c != "shared_from")
+    con.execute(f"CREATE TABLE news_sentiment (id BIGINT, {cols}, PRIMARY KEY (partition_key, id))")
+    con.close()
+    assert indexes(old_db) == []
+    assert materialize(asset(), fresh_sim, old_db).success
+    assert indexes(old_db) == [("news_sentiment", "[request_hash]")]
+    before = received(fresh_sim)
+    assert materialize(asset(), fresh_sim, old_db, key=DAY2).success
+    assert received(fresh_sim) == before  # day 2 repeats day 1: everything reused

@@ -24,9 +24,10 @@ current one is sent (a BigQuery query takes seconds).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -66,13 +67,14 @@ def stored_answers(
     db: WarehouseSession, output: OutputTable, partition_key: str, everywhere: bool
 ) -> Lookup:
     """The lookup of answers stored in `output` (this partition's, or any partition's when
-    `everywhere`): on the loop for an embedded warehouse, else in a thread."""
+    `everywhere`), in a thread: on DuckDB too, where on the event loop it would stall the
+    answers whenever a write holds the connection (docs/benchmarks.md, dedupe.py)."""
 
     async def lookup(hashes: list[str]) -> dict[str, dict[str, Any]]:
         find = functools.partial(
             db.stored_answers, output, hashes, partition_key, everywhere=everywhere
         )
-        return find() if db.reads_on_loop else await asyncio.to_thread(find)
+        return await asyncio.to_thread(find)
 
     return lookup
 
@@ -119,28 +121,29 @@ class Sharing:
 
     # -- the requests --------------------------------------------------------------------------
     async def requests(
-        self, chunks: AsyncIterator[list[ChatRequest]]
+        self, chunks: AsyncGenerator[list[ChatRequest], None]
     ) -> AsyncIterator[ChatRequest]:
         """The leaders of each chunk, in order; followers become rows here or when their leader
         answers. A chunk's lookup starts before the previous chunk is handed out."""
         ahead: tuple[list[ChatRequest], asyncio.Future[Any]] | None = None
         try:
-            while True:
-                try:
-                    chunk = await anext(chunks)
-                except StopAsyncIteration:
-                    break
-                except Exception:  # the reader failed: the rows read so far still go out
+            async with contextlib.aclosing(chunks):
+                while True:
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                    except Exception:  # the reader failed: the rows read so far still go out
+                        if ahead is not None:
+                            async for req in self._hand_out(*ahead):
+                                yield req
+                            ahead = None
+                        raise
+                    started = (chunk, self._start_lookup(chunk))
                     if ahead is not None:
                         async for req in self._hand_out(*ahead):
                             yield req
-                        ahead = None
-                    raise
-                started = (chunk, self._start_lookup(chunk))
-                if ahead is not None:
-                    async for req in self._hand_out(*ahead):
-                        yield req
-                ahead = started
+                    ahead = started
             if ahead is not None:
                 async for req in self._hand_out(*ahead):
                     yield req

@@ -38,7 +38,7 @@ from .duckdb_names import quoted as _qt
 from .duckdb_types import SPELLED as _SPELLED
 from .duckdb_types import TYPES as _TYPES
 from .duckdb_types import arrow_table, frame
-from .stored_answers import DUCKDB_MAX_HASHES, duckdb_sql
+from .stored_answers import DUCKDB_MAX_HASHES, duckdb_index_sql, duckdb_sql
 
 _NAIVE_TIMESTAMPS = frozenset({"TIMESTAMP", "TIMESTAMP_NS", "TIMESTAMP_MS", "TIMESTAMP_S"})
 _FLOATS = frozenset({"FLOAT", "DOUBLE", "REAL"})
@@ -182,7 +182,7 @@ class DuckDBSession(WarehouseSession):
                     f"CREATE TABLE IF NOT EXISTS {_qt(table)} "
                     f"(id {id_type}, {cols}, PRIMARY KEY ({key}))"
                 )
-                self._index_hashes(table)
+                self.conn.execute(duckdb_index_sql(table, _q, _qt))
                 return
             self._check_types(table, existing, output)
             key = found.key
@@ -200,13 +200,7 @@ class DuckDBSession(WarehouseSession):
                     self.conn.execute(
                         f"ALTER TABLE {_qt(table)} ADD COLUMN {_q(column)} {_TYPES[kind]}"
                     )
-            self._index_hashes(table)
-
-    def _index_hashes(self, table: str) -> None:
-        """An ART index on request_hash, for the stored-answers lookup (created once; an
-        existing table gets it on its next run). Named after the table, in its schema."""
-        name = check_table(table)[-1][:100] + "__request_hash"
-        self.conn.execute(f"CREATE INDEX IF NOT EXISTS {_q(name)} ON {_qt(table)} (request_hash)")
+            self.conn.execute(duckdb_index_sql(table, _q, _qt))  # an older table gets it now
 
     @staticmethod
     def _check_types(table: str, existing: Columns, output: OutputTable) -> None:

@@ -17,6 +17,12 @@ DUCKDB_MAX_HASHES = 2048
 BIGQUERY_MAX_HASHES = 10_000
 
 
+def duckdb_index_sql(table: str, q: Callable[[str], str], qt: Callable[[str], str]) -> str:
+    """An ART index on request_hash, named after the table, in its schema (created once)."""
+    name = table.split(".")[-1][:100] + "__request_hash"
+    return f"CREATE INDEX IF NOT EXISTS {q(name)} ON {qt(table)} (request_hash)"
+
+
 def duckdb_sql(
     table_sql: str, names: list[str], n: int, q: Callable[[str], str], *, here: bool
 ) -> str:
