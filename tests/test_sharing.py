@@ -445,3 +445,28 @@ def test_the_lookup_is_indexed_on_new_and_existing_duckdb_tables(fresh_sim, tmp_
     before = received(fresh_sim)
     assert materialize(asset(), fresh_sim, old_db, key=DAY2).success
     assert received(fresh_sim) == before  # day 2 repeats day 1: everything reused
+
+
+def test_typed_columns_are_shared_within_a_run_and_reused_from_the_table(fresh_sim, tmp_path):
+    fresh_sim.configure(invalid_json=0.0, truncated_json=0.0, refuse=0.0, reject_json_schema=False)
+    db = str(tmp_path / "w.duckdb")
+    new = overlapping_days(db)
+    schema = {
+        "label": {"type": "enum", "values": ["positive", "negative", "neutral"]},
+        "tickers": {"type": "list", "items": "string"},
+        "details": {"type": "object"},
+    }
+    typed = asset(output_schema=schema, params={"max_tokens": 120, "temperature": 0})
+    assert materialize(typed, fresh_sim, db).success
+    assert materialize(typed, fresh_sim, db, key=DAY2).success
+    assert received(fresh_sim) == 150 + new
+    rows = query(
+        db,
+        "SELECT partition_key, id, request_hash, shared_from, status, response, label, tickers, "
+        "details::VARCHAR FROM news_sentiment ORDER BY partition_key, id",
+    )
+    assert len(rows) == 400 and {r[4] for r in rows} == {"ok"}
+    payers = {r[2]: r for r in rows if r[3] is None}
+    assert len(payers) == 150 + new
+    for r in rows:
+        assert r[5:] == payers[r[2]][5:]  # response and every typed column, as the payer's
