@@ -31,13 +31,16 @@ from batch_llm_assets import (
 from batch_llm_assets.simulator import SimulatorProcess
 
 
-def make_table(path: str, rows: int) -> None:
+def make_table(path: str, rows: int, *, distinct: bool = False) -> None:
+    """One day of `rows` headlines. They repeat (997 companies x 13 quarters), so identical
+    requests are sent once (assets/sharing.py); `distinct` makes each row's headline its own."""
+    suffix = " || ' #' || i" if distinct else ""
     con = duckdb.connect(path)
     con.execute(
         "CREATE TABLE headlines AS SELECT i AS id, "
         "TIMESTAMPTZ '2026-11-01 00:00:00+00' + to_seconds(i % 86400) AS published_at, "
-        "'Company ' || (i % 997) || ' reports quarter ' || (i % 13) || ' results' AS headline "
-        "FROM range(1, ? + 1) t(i)",
+        f"'Company ' || (i % 997) || ' reports quarter ' || (i % 13) || ' results'{suffix} "
+        "AS headline FROM range(1, ? + 1) t(i)",
         [rows],
     )
     con.close()
@@ -47,11 +50,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=10_000)
     ap.add_argument("--chunk-rows", type=int, default=1000)
+    ap.add_argument(
+        "--distinct", action="store_true", help="a distinct headline per row: every row is sent"
+    )
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         db = os.path.join(tmp, "bench.duckdb")
-        make_table(db, args.rows)
+        make_table(db, args.rows, distinct=args.distinct)
         asset = build_llm_batch_asset(
             name="bench",
             source=SourceTable(table="headlines", partition_column="published_at"),

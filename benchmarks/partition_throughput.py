@@ -147,7 +147,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("BATCH_LLM_JOURNAL_DIR", os.path.join(tmp, "journal"))
         db = os.path.join(tmp, "bench.duckdb")
-        make_table(db, args.rows)
+        make_table(db, args.rows, distinct=True)  # every row sent, as by the bare engine
         with SimulatorProcess(latency_ms=0, latency_per_token_ms=0, jitter=0) as sim:
             llm = LLMResource(
                 base_url=sim.url,

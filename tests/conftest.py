@@ -172,3 +172,20 @@ def duckdb_query(db: str, sql: str) -> list[tuple]:
         return con.execute(sql).fetchall()
     finally:
         con.close()
+
+
+def create_distinct_table(path: str, **kw) -> int:
+    """The demo table (demo_data.create_demo_table) with every headline made distinct: each row
+    is then a request of its own, where the demo's repeated headlines would be sent once
+    (tests/test_sharing.py)."""
+    from batch_llm_assets.demo_data import create_demo_table
+
+    n = create_demo_table(path, **kw)
+    con = duckdb.connect(path)
+    try:
+        con.execute(
+            f"UPDATE \"{kw.get('table', 'news_headlines')}\" SET headline = headline || ' #' || id"
+        )
+    finally:
+        con.close()
+    return n

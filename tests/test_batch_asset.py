@@ -18,10 +18,9 @@ from batch_llm_assets import (
     SourceTable,
     build_llm_batch_asset,
 )
-from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.engine.errors import BatchLLMError
 
-from .conftest import SIM_KEY, materialize_command
+from .conftest import SIM_KEY, create_distinct_table, materialize_command
 from .conftest import duckdb_query as query
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
@@ -49,7 +48,7 @@ def asset(**kw):
 @pytest.fixture
 def db(tmp_path):
     path = str(tmp_path / "w.duckdb")
-    create_demo_table(path, days=3, per_day=60)
+    create_distinct_table(path, days=3, per_day=60)
     return path
 
 
@@ -290,7 +289,7 @@ def test_sandbox_keeps_python_objects_out_of_reach(fresh_sim, db):
 
 def test_resume_after_sigkill_loses_nothing_and_resends_little(fresh_sim, tmp_path):
     db = str(tmp_path / "k.duckdb")
-    create_demo_table(db, days=1, per_day=400)
+    create_distinct_table(db, days=1, per_day=400)
     cmd, env = materialize_command(tmp_path, fresh_sim, db, chunk_rows=25, max_concurrency=8)
     fresh_sim.configure(latency_ms=60.0)  # ~130 rows/s with 8 in flight: a run of ~3 s
     proc = subprocess.Popen(

@@ -518,7 +518,7 @@ def test_partitions_keep_their_own_rows_and_old_tables_are_reclustered(bq_endpoi
     grown = OutputTable(table, (*OUTPUT_COLUMNS, ("label", "string")))
     with warehouse(bq_endpoint).session() as s:
         s.ensure_output(grown, src)
-        assert bq.get_table(table).clustering_fields == ["partition_key", "id"]
+        assert bq.get_table(table).clustering_fields == ["partition_key", "request_hash", "id"]
         # The same ids in partition b are new rows; a's rows are untouched.
         s.write_results(grown, [result_row(1, "b", label="stop"), result_row(2, "b", "failed")])
         assert s.done_hashes(grown, "a", [1, 2, 3]) == {1: "a/1", 2: "a/2"}
@@ -747,3 +747,65 @@ def test_write_interval_is_a_setting_of_the_warehouse(bq_endpoint):
         assert s.write_interval_s == 12.5
     with pytest.raises(Exception, match="greater than 0"):
         BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint, write_interval_s=0)
+
+
+# -- identical requests sent once (issue 30) ---------------------------------------------------
+
+
+def test_answers_stored_in_one_partition_are_reused_by_another(fresh_sim, bq_endpoint, bq, dataset):
+    """Day 1 repeats some of its headlines; day 2 repeats half of day 1's: each identity is sent
+    once, found again with one lookup per chunk (clustered by partition_key, request_hash)."""
+    day1 = [f"a{i % 12} shares move" for i in range(20)]  # 12 distinct
+    day2 = [f"a{i} shares move" for i in range(6)] + [f"b{i % 6} shares move" for i in range(14)]
+    rows = [
+        bigquery.StructQueryParameter(
+            None,
+            bigquery.ScalarQueryParameter("id", "INT64", 1000 + 100 * d + n),
+            bigquery.ScalarQueryParameter(
+                "published_at", "TIMESTAMP", datetime(2026, 11, 1 + d, 1, n, tzinfo=UTC)
+            ),
+            bigquery.ScalarQueryParameter("headline", "STRING", text),
+        )
+        for d, texts in enumerate((day1, day2))
+        for n, text in enumerate(texts)
+    ]
+    query(
+        bq,
+        f"CREATE TABLE `{dataset}`.`repeats` AS SELECT r.id, r.published_at, r.headline "
+        "FROM UNNEST(@rows) AS r",
+        [bigquery.ArrayQueryParameter("rows", "STRUCT", rows)],
+    )
+    source = SourceTable(
+        table=f"{dataset}.repeats", partition_column="published_at", columns=["headline"]
+    )
+    a = asset(dataset, source=source, params={"max_tokens": 5, "temperature": 0})
+    assert materialize(a, fresh_sim, bq_endpoint).success
+    assert fresh_sim.stats()["received"] == 12
+    second = materialize(a, fresh_sim, bq_endpoint, key="2026-11-02")
+    assert second.success
+    assert fresh_sim.stats()["received"] == 12 + 6  # day 2's new requests only
+    md = metadata(second)
+    assert md["run/answers_reused"] == 6 and md["run/requests_deduplicated"] == 8
+    out = query(
+        bq,
+        f"SELECT o.partition_key, o.id, o.shared_from, o.cost_usd, o.response, s.headline "
+        f"FROM `{dataset}`.`news_sentiment` o JOIN `{dataset}`.`repeats` s ON s.id = o.id "
+        "ORDER BY o.partition_key, o.id",
+    )
+    assert len(out) == 40
+    payers = {r[5]: r for r in out if r[2] is None}
+    assert len(payers) == 18
+    for pk, _rid, shared_from, cost, response, headline in out:
+        if shared_from is not None:
+            source_row = payers[headline]
+            prefix = "" if source_row[0] == pk else f"{source_row[0]}/"
+            assert shared_from == f"{prefix}{source_row[1]}" and cost == 0
+            assert response == source_row[4]
+    # Clustered for the lookup; a rerun of day 2 sends nothing.
+    assert bq.get_table(f"{dataset}.news_sentiment").clustering_fields == [
+        "partition_key",
+        "request_hash",
+        "id",
+    ]
+    assert materialize(a, fresh_sim, bq_endpoint, key="2026-11-02").success
+    assert fresh_sim.stats()["received"] == 18

@@ -294,6 +294,7 @@ def load_attributes(tmp_path, monkeypatch):
         ({"warn_failed_fraction": 2}, "warn_failed_fraction: must be within [0, 1], got 2"),
         ({"params": {"n": 3}}, "params.n: is 3"),
         ({"chunk_rows": 0}, "chunk_rows: must be >= 1"),
+        ({"reuse_answers": "sometimes"}, ("reuse_answers", "Input should be a valid boolean")),
         ({"params": "temperature=0"}, ("params", "Input should be a valid dictionary")),
         ({"params": {"temperature": "hot"}}, "params.temperature: must be a number"),
         ({"params": {"temperature": 7}}, "params.temperature: must be within [0, 2], got 7"),

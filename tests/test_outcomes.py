@@ -184,7 +184,9 @@ def test_metadata_labels_carry_units_and_cost_is_a_number_or_absent(fresh_sim, d
     units = ("_s", "_ms", "_usd", "_tokens", "_fraction", "_per_min", "_429", "retries")
     for key, value in md.items():
         if key.startswith(("partition/", "run/")):
-            assert key.split("/")[1].startswith("rows_") or key.endswith(units), key
+            # A count names what it counts first: rows_, requests_, answers_.
+            counts = ("rows_", "requests_", "answers_")
+            assert key.split("/")[1].startswith(counts) or key.endswith(units), key
             assert isinstance(value.value, int | float), key
     assert "run/cost_usd" not in md  # a local server, not priced: absent, never 0
     second = metadata(run(asset(), fresh_sim, db))

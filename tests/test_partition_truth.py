@@ -17,9 +17,8 @@ from batch_llm_assets import (
     SourceTable,
     build_llm_batch_asset,
 )
-from batch_llm_assets.demo_data import create_demo_table
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, create_distinct_table
 from .conftest import duckdb_query as query
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
@@ -59,7 +58,7 @@ def resources(sim, db, **llm):
 @pytest.fixture
 def db(tmp_path):
     path = str(tmp_path / "w.duckdb")
-    create_demo_table(path, days=3, per_day=PER_DAY)
+    create_distinct_table(path, days=3, per_day=PER_DAY)
     return path
 
 

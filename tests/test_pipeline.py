@@ -31,11 +31,10 @@ from batch_llm_assets import (
 )
 from batch_llm_assets.assets.journal import ResultJournal, journal_key
 from batch_llm_assets.assets.lease import file_lease, redis_lease
-from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.engine.limiter import limiter_namespace
 from batch_llm_assets.warehouses.duckdb_session import DuckDBSession
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, create_distinct_table
 from .conftest import duckdb_query as query
 
 DAY = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-03")
@@ -124,7 +123,7 @@ def failure(result) -> str:
 @pytest.fixture
 def db(tmp_path):
     path = str(tmp_path / "p.duckdb")
-    create_demo_table(path, days=1, per_day=1000)
+    create_distinct_table(path, days=1, per_day=1000)
     return path
 
 
@@ -149,7 +148,7 @@ def test_a_two_second_write_does_not_slow_the_answers(fresh_sim, db, tmp_path):
     assert fast.success
     fast_span = _answer_span(db)
     slow_db = str(tmp_path / "slow.duckdb")
-    create_demo_table(slow_db, days=1, per_day=1000)
+    create_distinct_table(slow_db, days=1, per_day=1000)
     slow = run(
         slow_db,
         fresh_sim,
@@ -337,7 +336,7 @@ def test_sigterm_stops_a_run_while_a_template_spins(fresh_sim, db, tmp_path):
 )
 def test_templates_are_bounded_in_time_and_size(fresh_sim, tmp_path, template, error_class):
     db = str(tmp_path / "t.duckdb")
-    create_demo_table(db, days=1, per_day=3)
+    create_distinct_table(db, days=1, per_day=3)
     a = sentiment(prompt=Prompt(template=template), render_timeout_s=0.3, max_failed_fraction=1.0)
     started = time.monotonic()
     assert run(db, fresh_sim, a).success
@@ -366,7 +365,7 @@ def test_a_template_that_fails_every_row_stops_the_run_naming_it(
     with the template problem, instead of failing every row one render time limit at a time
     (a 100,000-row partition at 1 s a row: over a day)."""
     db = str(tmp_path / "t.duckdb")
-    create_demo_table(db, days=1, per_day=60)
+    create_distinct_table(db, days=1, per_day=60)
     a = sentiment(prompt=Prompt(template=template), render_timeout_s=0.3, max_failed_fraction=1.0)
     started = time.monotonic()
     result = run(db, fresh_sim, a)

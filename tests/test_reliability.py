@@ -30,7 +30,7 @@ from batch_llm_assets.demo_data import create_demo_table
 from batch_llm_assets.engine import LimiterSettings, RedisLimiter
 from batch_llm_assets.engine.errors import BatchLLMError
 
-from .conftest import SIM_KEY, materialize_command
+from .conftest import SIM_KEY, create_distinct_table, materialize_command
 from .conftest import duckdb_query as query
 
 pytestmark = pytest.mark.reliability
@@ -64,7 +64,7 @@ def test_five_kills_lose_nothing_duplicate_nothing_and_resend_under_one_percent(
 ):
     rows = 2000
     db = str(tmp_path / "crash.duckdb")
-    create_demo_table(db, days=1, per_day=rows)
+    create_distinct_table(db, days=1, per_day=rows)  # every row a request of its own
     cmd, env = materialize_command(tmp_path, fresh_sim, db, chunk_rows=200, max_concurrency=4)
     fresh_sim.configure(latency_ms=15.0)
     rng = random.Random(5)

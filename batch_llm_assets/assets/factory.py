@@ -77,6 +77,7 @@ def build_llm_batch_asset(
     warehouse_kind: str = "duckdb",
     provider: str | None = None,
     identity_endpoint: bool | None = None,
+    reuse_answers: bool | None = None,
     pool: str | None = None,
     llm_resource_key: str = "llm",
     warehouse_resource_key: str = "warehouse",
@@ -98,6 +99,10 @@ def build_llm_batch_asset(
 
     `mode="batch"` sends a partition's pending rows through the provider's Batch API (half
     price, completes within 24 h); `batch` says how (BatchSettings: wait, file limits, ...).
+
+    Rows whose request is identical (the same `request_hash`) are sent once per partition run;
+    `reuse_answers` (default: when temperature is 0) also reuses answers stored in other
+    partitions and earlier runs. Shared rows cost 0 and name their source in `shared_from`.
 
     `output_schema` (a pydantic model class, or a mapping field -> type as in YAML) asks for
     JSON matching it and writes each field to its own typed column; an answer that does not
@@ -134,6 +139,7 @@ def build_llm_batch_asset(
         warehouse_kind=warehouse_kind,
         provider=provider,
         identity_endpoint=identity_endpoint,
+        reuse_answers=reuse_answers,
         pool=pool,
         llm_resource_key=llm_resource_key,
         warehouse_resource_key=warehouse_resource_key,
@@ -174,6 +180,7 @@ def build_asset_from_spec(
         output_schema=typed,
         repair_attempts=spec.repair_attempts,
         identity_endpoint=spec.identity_endpoint,
+        reuse_answers=spec.reuse_answers,
     )
     llm_key, warehouse_key, output = spec.llm_resource_key, spec.warehouse_resource_key, spec.output
     deps = [

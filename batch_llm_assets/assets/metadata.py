@@ -41,10 +41,28 @@ class RunStats:
     errors: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
     aborted: str | None = None
+    deduplicated: int = 0  # rows that took the answer of another row of this run
+    reused: int = 0  # rows that took an answer stored before this run
+    cost_saved_usd: float | None = 0.0  # what the shared rows' sources paid for them
 
     @property
     def processed(self) -> int:
         return self.ok + self.failed + self.skipped
+
+    def add_shared(self, error_class: str | None, reused: bool, cost: float | None) -> None:
+        """A row that took another row's answer (assets/sharing.py): not sent, nothing paid;
+        `error_class` None for an ok answer, `cost` what the source row paid."""
+        if error_class is None:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.errors[error_class] += 1
+        if reused:
+            self.reused += 1
+        else:
+            self.deduplicated += 1
+        if self.cost_saved_usd is not None and cost is not None:
+            self.cost_saved_usd += cost
 
     def add(self, r: ChatResult, cost: float | None) -> None:
         if r.attempts:
@@ -140,9 +158,12 @@ def run_metadata(stats: RunStats, limits: Limits | None = None) -> dict[str, Any
         **_usage_metadata(stats, limits),
         "run/http_429": dg.MetadataValue.int(stats.http_429),
         "run/retries": dg.MetadataValue.int(stats.retries),
+        "run/requests_deduplicated": dg.MetadataValue.int(stats.deduplicated),
+        "run/answers_reused": dg.MetadataValue.int(stats.reused),
     }
     if stats.cost_usd is not None:
         md["run/cost_usd"] = _float(stats.cost_usd, 6)
+        md["run/cost_saved_usd"] = _float(stats.cost_saved_usd or 0.0, 6)
     lat = sorted(stats.latencies)
     if lat:  # a run that sent nothing has no latency (not a latency of 0)
         md["run/latency_p50_ms"] = _float(_percentile(lat, 0.50), 2)
@@ -187,6 +208,20 @@ def build_metadata(
     return md
 
 
+def progress_text(s: RunStats, elapsed: float) -> str:
+    """The run's progress line: rows, rate, ETA, waits and cost so far."""
+    answered = s.ok + s.failed
+    rate = answered / elapsed if elapsed > 0 else 0.0
+    left = s.rows_in - s.processed
+    eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
+    return (
+        f"{s.processed}/{s.rows_in} rows ({s.ok} ok, {s.failed} failed, {s.skipped} skipped, "
+        f"{s.deduplicated + s.reused} of them shared), {rate:.1f} rows/s, ETA {eta}; "
+        f"{s.http_429} 429s, {s.retries} retries, {s.requests_waited} requests waited for the "
+        f"limiter, cost so far {money(s.cost_usd)}"
+    )
+
+
 def money(cost: float | None) -> str:
     return f"${cost:.4f}" if cost is not None else "not priced"
 
@@ -198,7 +233,7 @@ def _summary_text(stats: RunStats, summary: dict[str, Any], rows_in: int, output
         f"{_percentile(lat, 0.5):.0f} / {_percentile(lat, 0.95):.0f} ms" if lat else "no request"
     )
     sent = stats.sent
-    unsent = stats.ok + stats.failed - sent
+    unsent = stats.ok + stats.failed - sent - stats.deduplicated - stats.reused
     return (
         f"**Partition** (`{output}`): **{summary['rows_ok']}** ok, **{summary['rows_failed']}** "
         f"failed of {rows_in} input rows; {summary['prompt_tokens']} / "
@@ -206,7 +241,14 @@ def _summary_text(stats: RunStats, summary: dict[str, Any], rows_in: int, output
         f"to date. Errors: {errors}\n\n"
         f"**This run**: {sent} sent; {stats.ok} ok, {stats.failed} failed"
         + (f" ({unsent} of them before sending)" if unsent else "")
-        + f", {stats.skipped} skipped as already done\n\n"
+        + f", {stats.skipped} skipped as already done"
+        + (
+            f"; {stats.deduplicated} took the answer of an identical request of this run and "
+            f"{stats.reused} a stored one (saved {money(stats.cost_saved_usd)})"
+            if stats.deduplicated or stats.reused
+            else ""
+        )
+        + "\n\n"
         "| tokens in / out | cost | wall | requests that waited | p50 / p95 latency | 429s "
         "| retries |\n|---|---|---|---|---|---|---|\n"
         f"| {stats.prompt_tokens} / {stats.completion_tokens} | {money(stats.cost_usd)} | "

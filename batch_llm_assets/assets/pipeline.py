@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,10 +34,11 @@ from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
-from .metadata import RunStats, money
+from .metadata import RunStats, progress_text
 from .pricing import Price, cost_usd, price_for_resource, served_model
 from .prompt import CompiledPrompt
 from .reader import SliceReader
+from .sharing import Sharing, reuses_answers, stored_answers
 from .structured import OutputSchema
 from .writer import (
     DEFAULT_MAX_WRITE_ROWS,
@@ -63,6 +64,7 @@ class RunSpec:
     output_schema: OutputSchema | None = None  # typed outputs (assets/structured.py)
     repair_attempts: int = 1
     identity_endpoint: bool | None = None  # None: the LLM resource's setting
+    reuse_answers: bool | None = None  # None: when the request's temperature is 0
 
     def identity_scopes(self, llm: LLMResource) -> tuple[dict[str, Any], dict[str, Any]]:
         """The request identity's scope for this asset on `llm`, and the earlier definition's
@@ -103,8 +105,9 @@ class PartitionRun:
         self.model = spec.model or llm.model
         self.price: Price | None = None  # priced when the engine opens (_priced)
         self.served_model: str | None = None
-        window = llm.engine_settings(model=spec.model, params=spec.params).context_window
-        self.max_prompt_chars = spec.prompt.max_chars_for(window)
+        settings = llm.engine_settings(model=spec.model, params=spec.params)
+        self.max_prompt_chars = spec.prompt.max_chars_for(settings.context_window)
+        self.reuse = reuses_answers(spec.reuse_answers, settings.params)
         self.stats = RunStats(cost_usd=None)
         self.scope = f"{warehouse_identity}|{spec.output.name}"
         self.journal_dir = journal_dir or default_journal_dir()
@@ -112,6 +115,7 @@ class PartitionRun:
         self.lease: PartitionLease | None = None
         self.typed = spec.output_schema
         self._flush_turn: Any = lambda: None  # set by _accept
+        self.sharing: Sharing | None = None  # set by _consume
         self.reader = SliceReader(
             spec, llm, session, where, partition_key, self.stats, self.max_prompt_chars
         )
@@ -182,26 +186,16 @@ class PartitionRun:
             row.update(storable_row(self.typed.result_values(r.ok, r.response)))
         return row
 
-    def _accept(
+    def _deliverer(
         self, writer: ChunkWriter, failed: asyncio.Future[BaseException], engine: Any
-    ) -> Any:
-        """The workers' hook: each answer is taken the moment it is parsed. The answers of one
-        event-loop turn become rows together at its end (a tight loop: about a third of the
-        per-answer cost when interleaved with the workers' sends), go to the writer, then to the
-        journal in one write. A journal that cannot be written (`failed`) stops the sending at
-        once; the answers of the requests already on the wire are paid, so they still come in
-        and are kept in memory for the warehouse."""
+    ) -> Callable[[list[dict[str, Any]]], None]:
+        """Rows to the writer, then to the journal in one write. A journal that cannot be
+        written (`failed`) stops the sending at once; the answers of the requests already on
+        the wire are paid, so they still come in and are kept in memory for the warehouse."""
         journal = self.journal
         assert journal is not None
-        loop = asyncio.get_running_loop()
-        turn: list[ChatResult] = []
 
-        def flush() -> None:
-            if not turn:
-                return
-            now = datetime.now(UTC)  # the answers of a turn arrived within it
-            rows = [self._row(r, now) for r in turn]
-            turn.clear()
+        def deliver(rows: list[dict[str, Any]]) -> None:
             writer.extend(rows)  # in memory first: a journal that fails loses nothing received
             if failed.done():
                 return
@@ -211,6 +205,29 @@ class PartitionRun:
             except Exception as exc:
                 failed.set_result(exc)
                 engine.breaker.stop("the result journal cannot be written")
+
+        return deliver
+
+    def _accept(self, writer: ChunkWriter, deliver: Callable[[list[dict[str, Any]]], None]) -> Any:
+        """The workers' hook: each answer is taken the moment it is parsed. The answers of one
+        event-loop turn become rows together at its end (a tight loop: about a third of the
+        per-answer cost when interleaved with the workers' sends), with the rows of the
+        followers that waited for them (sharing.py), and are delivered in one journal write."""
+        sharing = self.sharing
+        assert sharing is not None
+        loop = asyncio.get_running_loop()
+        turn: list[ChatResult] = []
+
+        def flush() -> None:
+            if not turn:
+                return
+            now = datetime.now(UTC)  # the answers of a turn arrived within it
+            rows: list[dict[str, Any]] = []
+            for r in turn:
+                rows.append(self._row(r, now))
+                rows += sharing.answered(rows[-1], writer.added + len(rows) - 1)
+            turn.clear()
+            deliver(rows)
 
         def on_result(r: ChatResult) -> None:
             if not turn:
@@ -229,9 +246,19 @@ class PartitionRun:
     ) -> None:
         last_log = started
         next_pct = 10
-        # The reader hashes the exact body this engine sends.
-        requests = _until(self.reader.requests(engine), failed)
-        stream = engine.map(requests, on_result=self._accept(writer, failed, engine))
+        deliver = self._deliverer(writer, failed, engine)
+        self.sharing = Sharing(
+            partition_key=self.partition_key,
+            hashes=self.reader.hashes,
+            writer=writer,
+            deliver=deliver,
+            lookup=stored_answers(self.db, self.spec.output, self.partition_key, self.reuse),
+            stats=self.stats,
+            stored_may_match=self.reuse or not self.reader.nothing_done,
+        )
+        # The reader hashes the exact body this engine sends; identical ones are sent once.
+        requests = _until(self.sharing.requests(self.reader.chunks(engine)), failed)
+        stream = engine.map(requests, on_result=self._accept(writer, deliver))
         async with contextlib.aclosing(stream) as results:
             async for _ in results:
                 await writer.room()
@@ -319,17 +346,7 @@ class PartitionRun:
         )
 
     def _progress(self, elapsed: float) -> None:
-        s = self.stats
-        sent = s.ok + s.failed
-        rate = sent / elapsed if elapsed > 0 else 0.0
-        left = s.rows_in - s.processed
-        eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
-        self.log.info(
-            f"partition {self.partition_key}: {s.processed}/{s.rows_in} rows "
-            f"({s.ok} ok, {s.failed} failed, {s.skipped} skipped), {rate:.1f} rows/s, ETA {eta}; "
-            f"{s.http_429} 429s, {s.retries} retries, {s.requests_waited} requests waited for "
-            f"the limiter, cost so far {money(s.cost_usd)}"
-        )
+        self.log.info(f"partition {self.partition_key}: {progress_text(self.stats, elapsed)}")
 
     def run(self) -> RunStats:
         """Lease the partition, recover and check, then run; the lease is held throughout."""

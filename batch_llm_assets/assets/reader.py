@@ -80,8 +80,9 @@ class SliceReader:
     def stop(self) -> None:
         self._stop.set()
 
-    async def requests(self, engine: Engine) -> AsyncIterator[ChatRequest]:
-        """The slice's requests for `engine` (whose exact bodies are hashed), in id order."""
+    async def chunks(self, engine: Engine) -> AsyncIterator[list[ChatRequest]]:
+        """The slice's requests for `engine` (whose exact bodies are hashed), a chunk at a
+        time, in id order."""
         self._engine = engine
         self.provider_kind = getattr(self.llm, "structured_kind", self.provider_kind)
         if self.spec.prompt.plain and self.db.reads_on_loop:
@@ -91,8 +92,7 @@ class SliceReader:
                     # A chunk at a time, not a row per pull: in one tight loop the rendering
                     # and hashing run at their micro-benchmark cost, interleaved with the
                     # workers' sends at about three times that (measured; caches stay warm).
-                    for req in list(self._render(chunk, self._done(chunk))):
-                        yield req
+                    yield list(self._render(chunk, self._done(chunk)))
                     if self.template.error is not None:
                         raise self.template.error
             return
@@ -111,10 +111,7 @@ class SliceReader:
                 if isinstance(batch, _ReaderFailed):
                     raise batch.exc
                 here = isinstance(batch, tuple)  # a plain template: rendered on the loop
-                if here:
-                    batch = self._render(*batch)
-                for req in batch:
-                    yield req
+                yield list(self._render(*batch)) if here else batch
                 if here and self.template.error is not None:
                     raise self.template.error
         finally:

@@ -23,6 +23,7 @@ OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("attempts", "int"),
     ("request_hash", "string"),
     ("completed_at", "timestamp"),
+    ("shared_from", "string"),
 )
 
 _DESCRIPTIONS = {
@@ -37,7 +38,10 @@ _DESCRIPTIONS = {
     "request_hash": "sha256 of the exact request body sent (model, max_tokens, params, messages; "
     "for typed outputs the rendered messages and the schema, in no provider's form) and the "
     "endpoint's scope, numbers normalised: a rerun skips ok rows whose hash is unchanged",
-    "cost_usd": "NULL when the model's price is unknown",
+    "cost_usd": "NULL when the model's price is unknown; 0 for a row whose answer was shared",
+    "shared_from": "set when the row was not sent but took the answer of an identical request "
+    "(same request_hash): the id (as text) of the row it took it from, prefixed by "
+    "'<partition_key>/' when that row is in another partition; its tokens are NULL",
     "latency_ms": "the successful attempt's time",
     "total_ms": "first send to final result, retries and waits included",
 }

@@ -363,6 +363,14 @@ class LlmBatchSpec(_Spec):
         "against another endpoint sends every row again (for two endpoints that serve "
         "different models under one name). None: the LLM resource's identity_endpoint.",
     )
+    reuse_answers: bool | None = Field(
+        default=None,
+        description="Reuse an answer stored ok in any partition of the output table for an "
+        "identical request (same request_hash) instead of sending it again; the row records "
+        "cost 0 and shared_from. None: on when the request's temperature is 0 (the same request "
+        "gets the same answer), off otherwise. Identical requests within a partition are always "
+        "sent once.",
+    )
     pool: str | None = Field(
         default=None,
         description="Dagster concurrency pool of the asset's runs: one per DuckDB file (DuckDB "

@@ -127,6 +127,7 @@ class ChunkWriter:
         self._eta = last_answer_eta
         self._last_duration = 0.0
         self.pending: list[dict[str, Any]] = []
+        self.added = 0  # rows taken so far; they are written in this order
         self.written = 0
         self.writes = 0
         self._wake = asyncio.Event()
@@ -142,6 +143,7 @@ class ChunkWriter:
     def extend(self, rows: list[dict[str, Any]]) -> None:
         was = len(self.pending)
         self.pending.extend(rows)
+        self.added += len(rows)
         n = len(self.pending)
         if was == 0 or n >= self.max_rows:
             self._wake.set()

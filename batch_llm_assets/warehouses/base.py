@@ -241,6 +241,15 @@ class WarehouseSession(abc.ABC):
         """request_hash of the rows of this partition among `ids` that already succeeded."""
 
     @abc.abstractmethod
+    def stored_answers(
+        self, output: OutputTable, hashes: Sequence[str], partition_key: str, *, everywhere: bool
+    ) -> dict[str, dict[str, Any]]:
+        """request_hash -> one row (every output column) stored `ok` under it, in
+        `partition_key` or, when `everywhere`, in any partition; a row that paid for its answer
+        (shared_from NULL) rather than one that shared it. A query per few thousand hashes, on
+        the table's request_hash index (DuckDB) or clustering (BigQuery)."""
+
+    @abc.abstractmethod
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
         """Upsert by (partition_key, id): after it, each key has exactly one row. Each
         statement is atomic; of two rows with the same key in `rows`, the last one wins."""

@@ -27,7 +27,6 @@ from ..engine.errors import BatchLLMError
 from .base import (
     BATCH_STATE_COLUMNS,
     BATCH_STATE_KEY,
-    OUTPUT_KEY,
     PROJECT_ID,
     Columns,
     InvalidIdentifierError,
@@ -45,6 +44,7 @@ from .base import (
 from .bigquery_dml import TYPES as _TYPES
 from .bigquery_dml import merge_sql, run_dml, struct
 from .bigquery_lease import BigQueryLeaseStore
+from .stored_answers import BIGQUERY_MAX_HASHES, bigquery_sql
 
 # The REST API's legacy type names -> GoogleSQL names.
 _LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL", "RECORD": "STRUCT"}
@@ -298,8 +298,9 @@ class BigQuerySession(WarehouseSession):
             qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
             self._ddl(f"CREATE SCHEMA IF NOT EXISTS {qds}")
         cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
-        # Clustered by the key: each MERGE and done-row lookup reads only its partition's blocks.
-        key = list(OUTPUT_KEY) if id_type in _CLUSTERABLE else ["partition_key"]
+        # Clustered by partition first: each MERGE and done-row lookup reads only its partition's
+        # blocks; then by request_hash, for the stored-answers lookup of a partition.
+        key = ["partition_key", "request_hash"] + (["id"] if id_type in _CLUSTERABLE else [])
         cluster = " CLUSTER BY " + ", ".join(_q(c) for c in key)
         self._ddl(f"CREATE TABLE IF NOT EXISTS {_qt(table)} (`id` {id_type}, {cols}){cluster}")
         self._schemas.pop(table, None)
@@ -369,6 +370,20 @@ class BigQuerySession(WarehouseSession):
                 )
             )
         return done
+
+    def stored_answers(
+        self, output: OutputTable, hashes: Sequence[str], partition_key: str, *, everywhere: bool
+    ) -> dict[str, dict[str, Any]]:
+        names, found = output.names, {}
+        sql = bigquery_sql(_qt(output.name), names, _q, here=not everywhere)
+        for i in range(0, len(hashes), BIGQUERY_MAX_HASHES):
+            part = list(hashes[i : i + BIGQUERY_MAX_HASHES])
+            params = [bigquery.ArrayQueryParameter("hashes", "STRING", part)]
+            if not everywhere:
+                params.append(bigquery.ScalarQueryParameter("pk", "STRING", partition_key))
+            rows = (dict(zip(names, r, strict=True)) for r in self._rows(sql, params))
+            found.update((r["request_hash"], r) for r in rows)
+        return found
 
     def _merge(self, output: OutputTable) -> str:
         if output not in self._merge_sql:

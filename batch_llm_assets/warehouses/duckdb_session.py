@@ -38,6 +38,7 @@ from .duckdb_names import quoted as _qt
 from .duckdb_types import SPELLED as _SPELLED
 from .duckdb_types import TYPES as _TYPES
 from .duckdb_types import arrow_table, frame
+from .stored_answers import DUCKDB_MAX_HASHES, duckdb_index_sql, duckdb_sql
 
 _NAIVE_TIMESTAMPS = frozenset({"TIMESTAMP", "TIMESTAMP_NS", "TIMESTAMP_MS", "TIMESTAMP_S"})
 _FLOATS = frozenset({"FLOAT", "DOUBLE", "REAL"})
@@ -181,6 +182,7 @@ class DuckDBSession(WarehouseSession):
                     f"CREATE TABLE IF NOT EXISTS {_qt(table)} "
                     f"(id {id_type}, {cols}, PRIMARY KEY ({key}))"
                 )
+                self.conn.execute(duckdb_index_sql(table, _q, _qt))
                 return
             self._check_types(table, existing, output)
             key = found.key
@@ -198,6 +200,7 @@ class DuckDBSession(WarehouseSession):
                     self.conn.execute(
                         f"ALTER TABLE {_qt(table)} ADD COLUMN {_q(column)} {_TYPES[kind]}"
                     )
+            self.conn.execute(duckdb_index_sql(table, _q, _qt))  # an older table gets it now
 
     @staticmethod
     def _check_types(table: str, existing: Columns, output: OutputTable) -> None:
@@ -262,6 +265,21 @@ class DuckDBSession(WarehouseSession):
             finally:
                 self.conn.unregister("_bla_wanted")
         return dict(rows)
+
+    def stored_answers(
+        self, output: OutputTable, hashes: Sequence[str], partition_key: str, *, everywhere: bool
+    ) -> dict[str, dict[str, Any]]:
+        names, found = output.names, {}
+        for i in range(0, len(hashes), DUCKDB_MAX_HASHES):
+            part = list(hashes[i : i + DUCKDB_MAX_HASHES])
+            sql = duckdb_sql(_qt(output.name), names, len(part), _q, here=not everywhere)
+            params = part if everywhere else [partition_key, *part, partition_key]
+            with self._lock:
+                rows = self.conn.execute(sql, params).fetchall()
+            found.update(
+                (r["request_hash"], r) for r in (dict(zip(names, t, strict=True)) for t in rows)
+            )
+        return found
 
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
         if not rows:

@@ -180,6 +180,7 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
     )
     provider: Annotated[str | None, _described("provider")] = None
     identity_endpoint: Annotated[bool | None, _described("identity_endpoint")] = None
+    reuse_answers: Annotated[bool | None, _described("reuse_answers")] = None
     pool: Annotated[str | None, _described("pool")] = None
     group_name: Annotated[str | None, _described("group_name")] = None
     description: Annotated[str | None, _described("description")] = None
