@@ -81,6 +81,11 @@ class SimConfig:
     reasoning: bool = False  # reject max_tokens (400 unsupported_parameter), as gpt-5 / o-series
     insufficient_quota: bool = False  # every request: 429 insufficient_quota
     fail_param: str | None = None  # a deterministic 500 for every body that has this parameter
+    # A self-hosted server (simulator/slots.py): this many requests decoded at once, the rest
+    # queued inside the server (0: no limit); each sequence's per-token time grows by
+    # decode_slowdown per other sequence in the batch.
+    decode_slots: int = 0
+    decode_slowdown: float = 0.0
 
 
 _CHOICES = {
@@ -109,6 +114,12 @@ def check(config: SimConfig) -> SimConfig:
         value = getattr(config, name)
         if not (_positive(value) and math.isfinite(value) and value <= 3600):
             raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
+    slots = config.decode_slots
+    if not (isinstance(slots, int) and not isinstance(slots, bool) and 0 <= slots <= 100_000):
+        raise ValueError(f"decode_slots must be a whole number in [0, 100000], got {slots!r}")
+    slowdown = config.decode_slowdown
+    if not (isinstance(slowdown, int | float) and 0 <= slowdown <= 1):  # NaN fails too
+        raise ValueError(f"decode_slowdown must be a fraction in [0, 1], got {slowdown!r}")
     noise = config.count_noise
     if not (isinstance(noise, int | float) and 0 <= noise < 1):
         raise ValueError(f"count_noise must be a fraction in [0, 1), got {noise!r}")
