@@ -110,6 +110,8 @@ def fresh_sim(sim):
         insufficient_quota=False,
         fail_param=None,
         models={"sim-1": 16_384, "gpt-4o-mini": 128_000},
+        decode_slots=0,
+        decode_slowdown=0.0,
     )
     sim.reset()
     return sim
