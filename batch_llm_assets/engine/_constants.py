@@ -135,17 +135,16 @@ LIMITER_WAITED_S = 0.01
 # The limit starts at one request (the latency of a request alone is the no-load base), decides
 # once per window of at least ADAPTIVE_WINDOW_MIN answers (and as many as the limit), holds while
 # a window's mean latency is within ADAPTIVE_LATENCY_TOLERANCE x the base, shrinks by the
-# gradient tolerance x base / latency (never below ADAPTIVE_MIN_GRADIENT), halves on a timeout
-# or an overloaded answer, and takes the latency as the new base after ADAPTIVE_REBASE_WINDOWS
-# windows at one request still over the tolerance (the rows got slower, not the queue longer).
+# gradient tolerance x base / latency (never below ADAPTIVE_MIN_GRADIENT), and takes the latency
+# as the new base after ADAPTIVE_REBASE_WINDOWS windows at one request still over the tolerance
+# (the rows got slower, not the queue longer).
 ADAPTIVE_START_LIMIT = 1
 ADAPTIVE_WINDOW_MIN = 2
 ADAPTIVE_LATENCY_TOLERANCE = 2.0
 ADAPTIVE_MIN_GRADIENT = 0.5
-ADAPTIVE_DROP_DECREASE = 0.5
 ADAPTIVE_REBASE_WINDOWS = 3
 # An attempt's timeout against such a server: at least this many times the slowest of the latest
-# ADAPTIVE_TIMEOUT_SAMPLES answers, and twice a timeout that fired; at most ADAPTIVE_MAX_TIMEOUT_S.
+# ADAPTIVE_TIMEOUT_SAMPLES answers (at most ADAPTIVE_MAX_TIMEOUT_S).
 ADAPTIVE_TIMEOUT_FACTOR = 4.0
 ADAPTIVE_TIMEOUT_SAMPLES = 32
 ADAPTIVE_MAX_TIMEOUT_S = 3600.0

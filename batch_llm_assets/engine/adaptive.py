@@ -17,8 +17,8 @@ request, so the first is the latency of a request alone). While `rtt <= toleranc
 (latency holds, throughput grows with the limit) the limit doubles until it first shrinks (slow
 start), then grows by its square root; only when the window used the whole limit (an input that
 cannot fill it proves nothing). Past the tolerance requests queue: the limit is multiplied by
-the gradient `tolerance x base / rtt` (at least 0.5). A timeout or an overloaded answer (503,
-429) halves it. It stays within [1, max_concurrency]. A limit of 1 still over the tolerance for
+the gradient `tolerance x base / rtt` (at least 0.5). It stays within [1, max_concurrency]. Only
+answers count (an error's time says nothing of the load). A limit of 1 over the tolerance for
 ADAPTIVE_REBASE_WINDOWS windows cannot be its own queue: the rows got slower (longer prompts or
 answers), so that latency becomes the base (Envoy's adaptive concurrency filter re-measures its
 minRTT the same way when its limit sits at the minimum). The tolerance leaves room for what
@@ -54,20 +54,13 @@ class Limit:
 def next_limit(
     cur: Limit,
     *,
-    rtt_s: float | None,
+    rtt_s: float,
     filled: bool,
-    dropped: bool,
     max_limit: int,
     rebase: bool = False,
 ) -> Limit:
-    """The limit after one window (module docstring). `rtt_s` None: no answer in the window."""
-    base = cur.base_s
-    if rtt_s is not None and rtt_s > 0:
-        base = rtt_s if rebase or base <= 0 else min(base, rtt_s)
-    if dropped:
-        return Limit(max(1.0, cur.value * C.ADAPTIVE_DROP_DECREASE), base, False)
-    if rtt_s is None or base <= 0:
-        return Limit(cur.value, base, cur.growing)
+    """The limit after one window of answers whose mean latency is `rtt_s` (module doc)."""
+    base = rtt_s if rebase or cur.base_s <= 0 else min(cur.base_s, rtt_s)
     tolerated = C.ADAPTIVE_LATENCY_TOLERANCE * base
     if rtt_s <= tolerated:
         if not filled or cur.value >= max_limit:
@@ -90,38 +83,27 @@ class Window:
         self.n = 0
         self.total_s = 0.0
         self.filled = False  # the limit was reached (or a request waited for it)
-        self.dropped = False
 
-    def add(self, sent_at: float, latency_s: float | None) -> bool:
-        """Count an answer (None: a timeout or an overloaded answer); False if it was sent
-        before the window began (it speaks of an older limit)."""
+    def add(self, sent_at: float, latency_s: float) -> bool:
+        """Count an answer; False if its request was sent before the window began (it speaks
+        of an older limit)."""
         if sent_at < self.since:
             return False
-        if latency_s is None:
-            self.dropped = True
-        else:
-            self.n += 1
-            self.total_s += latency_s
+        self.n += 1
+        self.total_s += latency_s
         return True
 
     def full(self, limit: int) -> bool:
-        return self.dropped or self.n >= max(C.ADAPTIVE_WINDOW_MIN, limit)
+        return self.n >= max(C.ADAPTIVE_WINDOW_MIN, limit)
 
     def decide(self, cur: Limit, max_limit: int) -> Limit:
-        """The next limit from this window, and a fresh window."""
-        rtt = self.total_s / self.n if self.n else None
-        over = rtt is not None and rtt > C.ADAPTIVE_LATENCY_TOLERANCE * cur.base_s > 0
-        self.low = self.low + 1 if over and cur.value < 2 and not self.dropped else 0
+        """The next limit from this (full) window, and a fresh window."""
+        rtt = self.total_s / self.n
+        over = rtt > C.ADAPTIVE_LATENCY_TOLERANCE * cur.base_s > 0
+        self.low = self.low + 1 if over and cur.value < 2 else 0
         rebase = self.low >= C.ADAPTIVE_REBASE_WINDOWS
         if rebase:
             self.low = 0
-        new = next_limit(
-            cur,
-            rtt_s=rtt,
-            filled=self.filled,
-            dropped=self.dropped,
-            max_limit=max_limit,
-            rebase=rebase,
-        )
+        new = next_limit(cur, rtt_s=rtt, filled=self.filled, max_limit=max_limit, rebase=rebase)
         self.restart()
         return new

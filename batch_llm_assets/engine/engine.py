@@ -295,7 +295,7 @@ class Engine:
         except E.ProviderError as exc:
             st.last = resp = exc
         if self.gate is not None:
-            self.gate.observe(started, timeout, resp)
+            self.gate.observe(started, resp)
         if isinstance(resp, E.ProviderError):
             return resp, grant, started
         if self.pacer is not None and mark is not None:

@@ -12,9 +12,9 @@ acquire asks again when one of the engine's own requests ends, or every CONCURRE
 
 The attempt timeout. No OpenAI-compatible server says, before its answer, when it started
 computing a request (llama.cpp's `timings` come with the answer), so the timeout cannot count
-from there. It is raised instead: at least ADAPTIVE_TIMEOUT_FACTOR x the slowest of the latest
-answers, and twice a timeout that fired, so a request queued behind others is not given up (and
-sent again) while the server, which goes on computing it anyway, has it in hand.
+from there. It is raised instead, to ADAPTIVE_TIMEOUT_FACTOR x the slowest of the latest answers
+when that is longer: a request queued behind others is not given up (and sent again) while the
+server, which goes on computing it anyway, has it in hand; a request that hangs still ends.
 
 Answers with x-ratelimit-* headers come from a rate-limited endpoint (a gateway in front of
 the server): the gate then holds max_concurrency, as for a hosted API.
@@ -43,7 +43,6 @@ from .usage import parse_limits
 log = logging.getLogger(__name__)
 
 _SCRIPT = resources.files(__package__).joinpath("concurrency.lua").read_text()
-_OVERLOADED = (429, 503)  # Ollama answers 503 when its queue is full
 
 
 def concurrency_namespace(base_url: str) -> str:
@@ -77,7 +76,6 @@ class ConcurrencyGate:
         self.peak_limit = self.limit
         self._window = Window()
         self._slow: deque[float] = deque(maxlen=C.ADAPTIVE_TIMEOUT_SAMPLES)
-        self._timeout_floor = 0.0
         self._turn = asyncio.Lock()  # one waiter asks at a time, first come first served
         self._freed = asyncio.Event()
         self._shared = _Shared(client, namespace, lease_ms) if client is not None else None
@@ -139,24 +137,20 @@ class ConcurrencyGate:
     # -- answers -----------------------------------------------------------------------------
     def timeout(self, configured: float) -> float:
         """The attempt's timeout: the configured one, raised for a slow server (module doc)."""
-        raised = max(self._timeout_floor, C.ADAPTIVE_TIMEOUT_FACTOR * max(self._slow, default=0))
+        raised = C.ADAPTIVE_TIMEOUT_FACTOR * max(self._slow, default=0.0)
         return max(configured, min(C.ADAPTIVE_MAX_TIMEOUT_S, raised))
 
-    def observe(self, sent_at: float, timeout: float, outcome: Any) -> None:
+    def observe(self, sent_at: float, outcome: Any) -> None:
         """An attempt's outcome (an answer, or the ProviderError it raised), sent at `sent_at`
-        (time.perf_counter()) with `timeout`."""
-        latency: float | None = time.perf_counter() - sent_at
+        (time.perf_counter()). Only answers count: an error's time says nothing of the load (a
+        server that is down answers at once, one that hangs never)."""
         if isinstance(outcome, E.ProviderError):
-            if outcome.error_class == E.TIMEOUT:
-                self._timeout_floor = min(C.ADAPTIVE_MAX_TIMEOUT_S, 2 * timeout)
-            elif outcome.status not in _OVERLOADED:
-                return  # says nothing of the load (a down server answers fast)
-            latency = None
-        elif not parse_limits(getattr(outcome, "headers", None) or {}).empty:
+            return
+        if not parse_limits(outcome.headers or {}).empty:
             self._fixed()
             return
-        else:
-            self._slow.append(latency)
+        latency = time.perf_counter() - sent_at
+        self._slow.append(latency)
         if self.adaptive and self._window.add(sent_at, latency) and self._window.full(self.limit):
             self._decide()
 
