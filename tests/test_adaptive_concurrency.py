@@ -109,13 +109,25 @@ def test_a_slow_servers_queued_requests_are_not_abandoned(slots):
     assert server.stats()["abandoned_answers"] > 0  # what a fixed 8 in flight does here
 
     server.reset()
-    results, engine = run(local(server, **settings), rows(16, offset=100))
+    results, _ = run(local(server, **settings), rows(16, offset=100))
     assert all(r.ok for r in results)
     assert all(r.attempts == 1 for r in results)
     stats = server.stats()
     assert stats["abandoned_answers"] == 0
     assert stats["answered"] == 16
-    assert engine.gate.timeout(0.5) > 0.5  # raised from the latency it saw
+
+
+def test_a_timeout_shorter_than_the_queue_is_raised_not_given_up(slots):
+    """Three slots, 100 ms a request, a 0.25 s timeout. While latency holds the limit doubles
+    to 8, where a request may wait 0.2 s in the server's queue: with the configured timeout it
+    would be given up and computed for nobody; raised from the latency seen, it waits."""
+    server = slots(decode_slots=3, latency_ms=100.0, jitter=0.0)
+    settings = {"max_concurrency": 8, "request_timeout_s": 0.25, "max_attempts": 3}
+    results, _ = run(local(server, **settings), rows(40))
+    assert all(r.ok and r.attempts == 1 for r in results)
+    stats = server.stats()
+    assert stats["max_concurrent"] > 6  # requests did wait 0.2 s in the server's queue
+    assert stats["abandoned_answers"] == 0
 
 
 def test_hosted_profile_keeps_the_fixed_cap(slots):

@@ -99,10 +99,10 @@ class ConcurrencyGate:
                 poll = C.CONCURRENCY_POLL_S if self._remote else None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), poll)
-        self.inflight += 1
-        self.peak_inflight = max(self.peak_inflight, self.inflight)
-        if self.inflight >= self.limit:
-            self._window.filled = True
+            self.inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self.inflight)
+            if self.inflight >= self.limit:
+                self._window.filled = True
 
     @property
     def _remote(self) -> bool:
