@@ -75,6 +75,7 @@ def run(asset: dg.AssetsDefinition, sim: SimulatorProcess, db: str) -> dict[str,
             model="gpt-4o-mini",
             price_input_per_1m=0.15,
             price_output_per_1m=0.6,
+            adaptive_concurrency=False,  # the simulator plays OpenAI: its fixed concurrency
         ),
         "warehouse": DuckDBWarehouse(database=db),
     }

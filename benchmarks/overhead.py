@@ -155,6 +155,7 @@ async def run_engine(url: str, prompts: list[str], transport: str) -> tuple[floa
         model=MODEL,
         params={"max_tokens": MAX_TOKENS},
         max_concurrency=CONCURRENCY,
+        adaptive_concurrency=False,  # 64 in flight, as the raw client: a hosted API's way
         transport=transport,
     )
     ok = 0

@@ -69,7 +69,12 @@ def main() -> None:
         )
         with SimulatorProcess(latency_ms=0, latency_per_token_ms=0, jitter=0) as sim:
             resources = {
-                "llm": LLMResource(base_url=sim.url, model="gpt-4o-mini", max_concurrency=64),
+                "llm": LLMResource(
+                    base_url=sim.url,
+                    model="gpt-4o-mini",
+                    max_concurrency=64,
+                    adaptive_concurrency=False,  # the simulator plays a hosted API: 64 in flight
+                ),
                 "warehouse": DuckDBWarehouse(database=db),
             }
             started = time.monotonic()

@@ -154,6 +154,7 @@ def main() -> None:
                 model="gpt-4o-mini",
                 params=PARAMS,
                 max_concurrency=args.concurrency,
+                adaptive_concurrency=False,  # the simulator plays a hosted API: a fixed cap
             )
             for round_ in range(args.rounds):
                 engine_rates.append(engine_rate(llm, db))

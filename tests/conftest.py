@@ -113,6 +113,8 @@ def fresh_sim(sim):
         models={"sim-1": 16_384, "gpt-4o-mini": 128_000},
         server_kind="simulator",
         served_model=None,
+        decode_slots=0,
+        decode_slowdown=0.0,
     )
     sim.reset()
     return sim

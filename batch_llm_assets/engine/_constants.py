@@ -156,3 +156,28 @@ LEASE_TAKE_OUTAGE_S = 30.0
 # A limiter wait shorter than this is the acquire's own round trip, not waiting for the limit:
 # a request that waited at least this long counts in run/requests_waited_fraction.
 LIMITER_WAITED_S = 0.01
+
+# -- Adaptive concurrency of a self-hosted server (engine/adaptive.py states it; gate.py) --
+# The limit starts at one request (the latency of a request alone is the no-load base), decides
+# once per window of at least ADAPTIVE_WINDOW_MIN answers (and as many as the limit), holds while
+# a window's mean latency is within ADAPTIVE_LATENCY_TOLERANCE x the base, shrinks by the
+# gradient tolerance x base / latency (never below ADAPTIVE_MIN_GRADIENT), and takes the latency
+# as the new base after ADAPTIVE_REBASE_WINDOWS windows at one request still over the tolerance
+# (the rows got slower, not the queue longer).
+ADAPTIVE_START_LIMIT = 1
+ADAPTIVE_WINDOW_MIN = 2
+ADAPTIVE_LATENCY_TOLERANCE = 2.0
+ADAPTIVE_MIN_GRADIENT = 0.5
+ADAPTIVE_REBASE_WINDOWS = 3
+# An attempt's timeout against such a server: at least this many times the slowest of the latest
+# ADAPTIVE_TIMEOUT_SAMPLES answers (at most ADAPTIVE_MAX_TIMEOUT_S).
+ADAPTIVE_TIMEOUT_FACTOR = 4.0
+ADAPTIVE_TIMEOUT_SAMPLES = 32
+ADAPTIVE_MAX_TIMEOUT_S = 3600.0
+# Shared through Redis (engine/concurrency.lua): an engine's slots live this long past its last
+# call or heartbeat (renewed three times a lease); a refused acquire asks again after this long
+# (or when one of the engine's own requests ends); an engine refused this recently, or holding
+# slots, has a share of the limit. The shared state outlives the last engine by four leases.
+CONCURRENCY_LEASE_TTL_MS = 10_000
+CONCURRENCY_POLL_S = 0.05
+CONCURRENCY_WANT_MS = 1_000

@@ -20,6 +20,7 @@ from . import _constants as C
 from . import errors as E
 from . import structured as S
 from .breaker import Breaker
+from .gate import ConcurrencyGate, held
 from .limiter import Grant, RedisLimiter
 from .outcome import TRUNCATED, classify_answer, tools_requested
 from .pacing import Pacer
@@ -84,12 +85,14 @@ class Engine:
         settings: EngineSettings,
         transport: ChatTransport,
         limiter: RedisLimiter | None = None,
+        gate: ConcurrencyGate | None = None,
     ) -> None:
         if non_finite(settings.params):
             raise ValueError(f"The engine's params {NON_FINITE}.")
         self.s = settings
         self.transport = transport
         self.limiter = limiter
+        self.gate = gate  # a self-hosted server's adaptive in-flight limit (gate.py), else fixed
         self.pacer = Pacer(limiter) if limiter is not None else None
         self.breaker = Breaker(
             threshold=settings.breaker_threshold,
@@ -254,7 +257,11 @@ class Engine:
 
     async def _attempt(self, req, body, max_tokens, deadline, st: _Attempts):
         """Wait for a slot and send once: (answer or ProviderError, grant, start time), or the
-        row's final result when it cannot be sent."""
+        row's final result when it cannot be sent; holding a place in the gate, if any."""
+        async with held(self.gate):
+            return await self._attempt_once(req, body, max_tokens, deadline, st)
+
+    async def _attempt_once(self, req, body, max_tokens, deadline, st: _Attempts):
         reserve = st.estimate
         grant = _FREE
         if self.pacer is not None:
@@ -276,7 +283,8 @@ class Engine:
             return self._deadline(req, st)
         st.attempt += 1
         self._set_token_param(body, max_tokens)
-        timeout = self.s.request_timeout_s
+        t = self.s.request_timeout_s
+        timeout = self.gate.timeout(t) if self.gate else t
         if deadline is not None:
             timeout = max(0.001, min(timeout, deadline - time.monotonic()))
         started = time.perf_counter()
@@ -285,8 +293,11 @@ class Engine:
         try:
             resp = await self.transport.chat(body, timeout)
         except E.ProviderError as exc:
-            st.last = exc
-            return exc, grant, started
+            st.last = resp = exc
+        if self.gate is not None:
+            self.gate.observe(started, resp)
+        if isinstance(resp, E.ProviderError):
+            return resp, grant, started
         if self.pacer is not None and mark is not None:
             self.pacer.answered(
                 grant,

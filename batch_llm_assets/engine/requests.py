@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _constants as C
+from .adaptive import check_concurrency
 
 
 @dataclass(slots=True)
@@ -83,6 +84,9 @@ class EngineSettings:
     breaker_threshold: int = C.BREAKER_THRESHOLD
     retry_budget_base: int = C.RETRY_BUDGET_BASE
     retry_budget_ratio: float = C.RETRY_BUDGET_RATIO
+
+    def __post_init__(self) -> None:
+        check_concurrency(self.max_concurrency)  # 0, negative, NaN: a clear error, not 1 worker
 
 
 def backoff_delay(attempt: int, hint_s: float | None, *, exact: bool = True) -> float:

@@ -12,6 +12,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
+from ..engine.gate import ConcurrencyGate, concurrency_namespace
 from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
 from ..engine.profiles import Profile, profile_for
 from ..engine.redis_client import check_redis, connect_redis, safe_url
@@ -72,8 +73,18 @@ class LLMResource(dg.ConfigurableResource):
     max_concurrency: int | None = Field(
         default=None,
         ge=1,
-        description="Requests in flight per process. None: the provider profile's (64 for "
-        "hosted APIs, 4 for a local llama.cpp/Ollama server).",
+        description="Requests in flight per process (at most, for a self-hosted server's "
+        "adaptive limit). None: the provider profile's (64 for hosted APIs, 4 for a local "
+        "llama.cpp/Ollama server).",
+    )
+    adaptive_concurrency: bool | None = Field(
+        default=None,
+        description="Find a self-hosted server's concurrency from its latency instead of "
+        "keeping max_concurrency in flight: start at 1 request, grow while latency holds, back "
+        "off when requests queue (docs/engine.md). Shared with every run on the same base_url "
+        "through redis_url when it is set. None: on for a server that is not a hosted API "
+        "when rpm and tpm are unset (off for OpenAI, Azure, Gemini, or a rate-limited "
+        "endpoint); it turns itself off when the answers carry rate-limit headers.",
     )
     request_timeout_s: float | None = Field(
         default=None,
@@ -227,6 +238,14 @@ class LLMResource(dg.ConfigurableResource):
         return self.max_concurrency or self.profile.max_concurrency
 
     @property
+    def adaptive(self) -> bool:
+        """An adaptive in-flight limit: the setting, else for a server that is not a hosted API
+        and has no rpm/tpm set (a rate-limited endpoint keeps max_concurrency in flight)."""
+        if self.adaptive_concurrency is not None:
+            return self.adaptive_concurrency
+        return not self.profile.hosted and not self.limited
+
+    @property
     def limited(self) -> bool:
         return bool(self.rpm or self.tpm)
 
@@ -322,41 +341,53 @@ class LLMResource(dg.ConfigurableResource):
             model=model,
             max_connections=settings.max_concurrency,
         )
-        client = None
-        limiter = None
-        engine = None
+        limiter = gate = engine = None
+        shared = self.adaptive and self.redis_url is not None  # runs on one server share it
+        client = await self._open_redis(transport) if self.limited or shared else None
         if self.limited:
-            if self.effective_redis_url is None:
-                self.start()
-            url = self.effective_redis_url
-            client = connect_redis(url)
-            try:
-                await check_redis(client, url)
-            except BaseException:
-                await client.aclose()
-                await transport.aclose()
-                raise
             limiter = RedisLimiter(
                 client,
                 namespace=limiter_namespace(self.base_url, model, self.api_key),
                 settings=LimiterSettings(rpm=self.rpm, tpm=self.tpm, burst_s=self.burst_s),
                 job=self.job_key,
                 weight=self.job_weight,
-                where=safe_url(url),
+                where=safe_url(self.effective_redis_url or ""),
+            )
+        if self.adaptive:
+            gate = ConcurrencyGate(
+                max_concurrency=self.concurrency,
+                client=client if shared else None,
+                namespace=concurrency_namespace(self.base_url),
             )
         try:
             if limiter is not None:
                 await limiter.prepare()
-            engine = Engine(settings, transport, limiter)
+            engine = Engine(settings, transport, limiter, gate)
             yield engine
         finally:
             if engine is not None:
                 await engine.drain()
+            if gate is not None:
+                await gate.close()
             if limiter is not None:
                 await limiter.release()
             if client is not None:
                 await client.aclose()
             await transport.aclose()
+
+    async def _open_redis(self, transport: Any) -> Any:
+        """A client of the limiter's Redis, connected and authenticated (else all is closed)."""
+        if self.effective_redis_url is None:
+            self.start()
+        url = self.effective_redis_url
+        client = connect_redis(url)
+        try:
+            await check_redis(client, url)
+        except BaseException:
+            await client.aclose()
+            await transport.aclose()
+            raise
+        return client
 
     async def chat_batch(
         self, requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest]

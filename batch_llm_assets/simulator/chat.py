@@ -4,12 +4,12 @@ In order: the key, the body, the provider's refusals (bad parameters, quota, unk
 context length), then the limits: the request is admitted when both the request and the token
 limit admit it now (tokens: the prompt as the provider counts it plus max_tokens, as OpenAI and
 Azure OpenAI count at admission), else a 429 with OpenAI's body and headers. An admitted request
-is answered after its latency, or gets the fault drawn for it.
+is answered after its latency (queued for a decode slot first: slots.py), or gets the fault
+drawn for it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -238,9 +238,7 @@ async def _answer(sim, body, messages, model, max_tokens, prompt, answer_headers
         sim.counts[f"shape_{shape}"] += 1
         choices, completion = shaped_choice(shape, content, completion, max_tokens)
     jitter = 1 + cfg.jitter * (2 * sim.rng.random() - 1)
-    delay = (cfg.latency_ms + cfg.latency_per_token_ms * completion) * jitter / 1000
-    if delay > 0:
-        await asyncio.sleep(delay)
+    await sim.slots.serve(lambda: sim.config, completion, jitter)  # queue and decode (slots.py)
     sim.counts["answered"] += 1
     sim.counts["completion_tokens"] += completion
     sim.stats.prompts[digest] += 1

@@ -92,6 +92,11 @@ class SimConfig:
     # under any name the request gives, as llama.cpp and llama-cpp-python do.
     server_kind: str = "simulator"
     served_model: str | None = None
+    # A self-hosted server (simulator/slots.py): this many requests decoded at once, the rest
+    # queued inside the server (0: no limit); each sequence's per-token time grows by
+    # decode_slowdown per other sequence in the batch.
+    decode_slots: int = 0
+    decode_slowdown: float = 0.0
 
 
 _CHOICES = {
@@ -124,6 +129,12 @@ def check(config: SimConfig) -> SimConfig:
             raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
     if config.served_model is not None and config.served_model not in config.models:
         raise ValueError(f"served_model must be one of models, got {config.served_model!r}")
+    slots = config.decode_slots
+    if not (isinstance(slots, int) and not isinstance(slots, bool) and 0 <= slots <= 100_000):
+        raise ValueError(f"decode_slots must be a whole number in [0, 100000], got {slots!r}")
+    slowdown = config.decode_slowdown
+    if not (isinstance(slowdown, int | float) and 0 <= slowdown <= 1):  # NaN fails too
+        raise ValueError(f"decode_slowdown must be a fraction in [0, 1], got {slowdown!r}")
     noise = config.count_noise
     if not (isinstance(noise, int | float) and 0 <= noise < 1):
         raise ValueError(f"count_noise must be a fraction in [0, 1), got {noise!r}")

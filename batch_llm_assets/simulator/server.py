@@ -4,7 +4,8 @@ It is the demo's default provider and the ground truth of the tests and benchmar
 says what it admitted, per second and (with ?log=1) per request, and how many it refused.
 Modules by role: config.py (the settings), limits.py (enforcement), counting.py (how prompts
 are counted), chat.py (the chat route), content.py and answers.py (what it answers),
-responses.py (errors and headers), stats.py (GET /stats), batch.py (the Batch API).
+responses.py (errors and headers), stats.py (GET /stats), slots.py (a self-hosted server's
+decode slots and queue), batch.py (the Batch API).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .chat import chat
 from .config import LIMIT_SETTINGS, SimConfig, check, updated
 from .limits import Limit, make_limit
 from .responses import error, openai_duration
+from .slots import DecodeSlots
 from .stats import Stats
 
 __all__ = ["SimConfig", "Simulator", "SimulatorThread", "openai_duration", "start_site"]
@@ -35,6 +37,7 @@ class Simulator:
         self.config = check(config or SimConfig())
         for model in self.config.models:
             encoding_for(model)  # loading an encoding takes ~1 s: not inside the first request
+        self.slots = DecodeSlots()
         self.reset()
 
     def reset(self) -> None:
@@ -54,6 +57,7 @@ class Simulator:
             "tokens": make_limit(cfg.tpm, **shape) if cfg.tpm else None,
         }
         self.stats = Stats()
+        self.slots.reset()
 
     @property
     def counts(self) -> Counter[str]:
@@ -97,7 +101,8 @@ class Simulator:
         config = dataclasses.asdict(self.config) | {"api_key": None}  # never the key
         log = request.query.get("log", "") not in ("", "0", "false")
         messages = request.query.get("messages", "") not in ("", "0", "false")
-        return web.json_response(self.stats.body(config, log=log, messages=messages))
+        body = self.stats.body(config, log=log, messages=messages)
+        return web.json_response(body | self.slots.stats())
 
     async def set_config(self, request: web.Request) -> web.Response:
         try:
