@@ -106,7 +106,10 @@ def main() -> None:
         shape = make_table(db, args.rows, args.duplicate_share)
         with SimulatorProcess(latency_ms=0, latency_per_token_ms=0, jitter=0) as sim:
             llm = LLMResource(
-                base_url=sim.url, model="gpt-4o-mini", max_concurrency=args.concurrency
+                base_url=sim.url,
+                model="gpt-4o-mini",
+                max_concurrency=args.concurrency,
+                adaptive_concurrency=False,  # the simulator plays a hosted API: 64 in flight
             )
             for round_ in range(args.rounds):
                 before = sim.stats().get("received", 0)
