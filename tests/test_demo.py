@@ -37,7 +37,8 @@ def test_a_rerun_of_the_demo_sends_no_request_and_says_so(tmp_path):
     first = _demo_run(env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     [one] = json.loads((demo / "summary.json").read_text())
-    assert one["rows_in"] > 0 and one["requests"] >= one["rows_in"]
+    # The demo's headlines repeat: identical requests are sent once (the others share them).
+    assert one["rows_in"] > 0 and 0 < one["requests"] <= one["rows_in"] == one["rows_ok"]
     second = _demo_run(env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     [two] = json.loads((demo / "summary.json").read_text())

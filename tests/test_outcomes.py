@@ -58,7 +58,8 @@ def run(a, sim, db, *, instance=None, **llm):
             base_url=llm.pop("base_url", sim.url),
             api_key=llm.pop("api_key", SIM_KEY),
             model="gpt-4o-mini",
-            **({"max_attempts": 3} | llm),
+            # The simulator plays a hosted API here: a fixed 64 in flight, as the figures assume.
+            **({"max_attempts": 3, "adaptive_concurrency": False} | llm),
         ),
         "warehouse": DuckDBWarehouse(database=db),
     }
