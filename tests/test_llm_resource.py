@@ -29,6 +29,15 @@ def run(llm: LLMResource, requests) -> dict:
         return asyncio.run(main())
 
 
+@pytest.fixture(autouse=True)
+def fresh_limiter_state(valkey_url):
+    """Every test here uses the one simulator, so one limiter namespace: start it empty (in
+    xdist's order a test may follow one that reserved a minute of slots ahead)."""
+    r = redis.Redis.from_url(valkey_url)
+    for key in r.scan_iter("bla:*"):
+        r.delete(key)
+
+
 def _forget_limiter_state(llm: LLMResource) -> None:
     """A limiter that starts from scratch: delete this key's shared state in Redis."""
     ns = limiter_namespace(llm.base_url, llm.model, llm.api_key)
