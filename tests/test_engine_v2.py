@@ -38,12 +38,7 @@ def make(sim, **kw) -> LLMResource:
     return LLMResource(**(settings | kw))
 
 
-@pytest.fixture(autouse=True)
-def fresh_limiter_state(valkey_url):
-    """Every test here uses the one simulator, so one limiter namespace: start it empty."""
-    r = redis.Redis.from_url(valkey_url)
-    for key in r.scan_iter("bla:*"):
-        r.delete(key)
+pytestmark = pytest.mark.usefixtures("fresh_limiter_state")
 
 
 def run_engine(llm: LLMResource, requests, **engine_kw):

@@ -29,13 +29,7 @@ def run(llm: LLMResource, requests) -> dict:
         return asyncio.run(main())
 
 
-@pytest.fixture(autouse=True)
-def fresh_limiter_state(valkey_url):
-    """Every test here uses the one simulator, so one limiter namespace: start it empty (in
-    xdist's order a test may follow one that reserved a minute of slots ahead)."""
-    r = redis.Redis.from_url(valkey_url)
-    for key in r.scan_iter("bla:*"):
-        r.delete(key)
+pytestmark = pytest.mark.usefixtures("fresh_limiter_state")
 
 
 def _forget_limiter_state(llm: LLMResource) -> None:

@@ -7,18 +7,12 @@ import asyncio
 import time
 
 import pytest
-import redis
 
 from batch_llm_assets import ChatRequest, LLMResource
 
 from .conftest import SIM_KEY
 
-
-@pytest.fixture(autouse=True)
-def fresh_limiter_state(valkey_url):
-    r = redis.Redis.from_url(valkey_url)
-    for key in r.scan_iter("bla:*"):
-        r.delete(key)
+pytestmark = pytest.mark.usefixtures("fresh_limiter_state")
 
 
 def _llm(sim, valkey_url, **kw) -> LLMResource:

@@ -9,7 +9,6 @@ import contextlib
 import time
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
 from batch_llm_assets import ChatRequest, LLMResource
@@ -106,11 +105,7 @@ def test_a_windows_reset_is_counted_from_the_answers_arrival():
 # -- against the simulator, over HTTP ----------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def fresh_limiter_state(valkey_url):
-    r = redis.Redis.from_url(valkey_url)
-    for key in r.scan_iter("bla:*"):
-        r.delete(key)
+pytestmark = pytest.mark.usefixtures("fresh_limiter_state")
 
 
 def _run(sim, valkey_url, n, *, job, hog_s=0.0, **resource):

@@ -31,8 +31,8 @@ from batch_llm_assets.engine.structured import shape_request, validator
 from batch_llm_assets.simulator import SimulatorProcess
 
 from .conftest import SIM_KEY, duckdb_query
+from .test_server_probe import PROBE_LOG, open_engine, probe_warnings
 
-PROBE_LOG = "batch_llm_assets.engine.server_probe"
 MODELS = {"sim-1": 16_384, "gpt-4o-mini": 128_000}
 # simulator kind -> (the form it reads, as the simulator counts it; the profile it gets)
 KINDS = {
@@ -96,20 +96,6 @@ def materialize(llm, db):
     )
     mats = result.asset_materializations_for_node("sentiment")
     return result, ({k: v.value for k, v in mats[-1].metadata.items()} if mats else {})
-
-
-def open_engine(llm):
-    """Open (and close) an engine: the settings it got, the form typed outputs take."""
-
-    async def main():
-        async with llm.engine() as engine:
-            return engine.s, llm.structured_kind
-
-    return asyncio.run(main())
-
-
-def probe_warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == PROBE_LOG and r.levelno >= 30]
 
 
 # -- each kind, told apart with no setting ------------------------------------------------------
