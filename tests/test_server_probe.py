@@ -71,7 +71,7 @@ def test_a_hosted_api_is_never_asked(monkeypatch, base_url, api_version):
 
     for name in ("probe_server", "discover_context_window"):
         real = getattr(server_probe, name)
-        monkeypatch.setattr(f"batch_llm_assets.resources.llm.{name}", spy(real))
+        monkeypatch.setattr(f"batch_llm_assets.resources.llm_engine.{name}", spy(real))
     llm = LLMResource(base_url=base_url, api_version=api_version, model="gpt-4o-mini")
     open_engine(llm)
     assert calls == [] and llm.server_kind is None

@@ -12,14 +12,11 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
-from ..engine.gate import ConcurrencyGate, concurrency_namespace
-from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
 from ..engine.profiles import Profile, profile_for
-from ..engine.redis_client import check_redis, connect_redis, safe_url
-from ..engine.server_probe import ServerInfo, discover_context_window, probe_server
+from ..engine.server_probe import ServerInfo
 from ..engine.structured import provider_kind
-from ..engine.transport import TRANSPORTS
 from ..engine.valkey import EmbeddedValkey
+from .llm_engine import open_engine
 
 log = logging.getLogger(__name__)
 
@@ -300,94 +297,14 @@ class LLMResource(dg.ConfigurableResource):
             breaker_threshold=self.breaker_threshold,
         )
 
-    async def _know_server(self, settings: EngineSettings) -> None:
-        """Ask a self-hosted server what it is (once per model; not when `provider` names it)
-        and the model's context window; the profile's defaults then follow what it said. A
-        hosted API is never asked. The window the server reports beats the known-models
-        table (a local server may serve any model under a hosted model's name)."""
-        if self.profile.hosted:
-            return
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        if self.provider is not None:
-            if not settings.context_window:
-                settings.context_window = await discover_context_window(
-                    base_url=self.base_url, model=settings.model, headers=headers
-                )
-            return
-        info = self._servers.get(settings.model)
-        if info is None:
-            info = await probe_server(base_url=self.base_url, model=settings.model, headers=headers)
-            self._servers[settings.model] = info
-        if not self.context_window and info.context_window:
-            settings.context_window = info.context_window
-        settings.max_concurrency = self.concurrency
-        settings.request_timeout_s = self.request_timeout_s or self.profile.request_timeout_s
-
-    @contextlib.asynccontextmanager
-    async def engine(
+    def engine(
         self, *, model: str | None = None, params: dict[str, Any] | None = None
-    ) -> AsyncIterator[Engine]:
+    ) -> contextlib.AbstractAsyncContextManager[Engine]:
         """An engine bound to the running event loop; closes its connections on exit.
 
         `model` and `params` override the resource's for this engine (one asset, one model).
         """
-        model = model or self.model
-        settings = self.engine_settings(model=model, params=params)
-        await self._know_server(settings)
-        transport = TRANSPORTS[self.transport](
-            base_url=self.base_url,
-            api_key=self.api_key,
-            api_version=self.api_version,
-            model=model,
-            max_connections=settings.max_concurrency,
-        )
-        limiter = gate = engine = None
-        shared = self.adaptive and self.redis_url is not None  # runs on one server share it
-        client = await self._open_redis(transport) if self.limited or shared else None
-        if self.limited:
-            limiter = RedisLimiter(
-                client,
-                namespace=limiter_namespace(self.base_url, model, self.api_key),
-                settings=LimiterSettings(rpm=self.rpm, tpm=self.tpm, burst_s=self.burst_s),
-                job=self.job_key,
-                weight=self.job_weight,
-                where=safe_url(self.effective_redis_url or ""),
-            )
-        if self.adaptive:
-            gate = ConcurrencyGate(
-                max_concurrency=self.concurrency,
-                client=client if shared else None,
-                namespace=concurrency_namespace(self.base_url),
-            )
-        try:
-            if limiter is not None:
-                await limiter.prepare()
-            engine = Engine(settings, transport, limiter, gate)
-            yield engine
-        finally:
-            if engine is not None:
-                await engine.drain()
-            if gate is not None:
-                await gate.close()
-            if limiter is not None:
-                await limiter.release()
-            if client is not None:
-                await client.aclose()
-            await transport.aclose()
-
-    async def _open_redis(self, transport: Any) -> Any:
-        """A client of the limiter's Redis, connected and authenticated (else all is closed)."""
-        if self.effective_redis_url is None:
-            self.start()
-        url = self.effective_redis_url
-        client = connect_redis(url)
-        try:
-            await check_redis(client, url)
-        except BaseException:
-            await client.aclose()
-            await transport.aclose()
-            raise
-        return client
+        return open_engine(self, model=model, params=params)
 
     async def chat_batch(
         self, requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest]

@@ -1,0 +1,110 @@
+"""Opening an LLMResource's engine: ask a self-hosted server what it is, then bind the
+transport, the shared limiter and the concurrency gate to the running event loop."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ..engine.engine import Engine, EngineSettings
+from ..engine.gate import ConcurrencyGate, concurrency_namespace
+from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
+from ..engine.redis_client import check_redis, connect_redis, safe_url
+from ..engine.server_probe import discover_context_window, probe_server
+from ..engine.transport import TRANSPORTS
+
+if TYPE_CHECKING:
+    from .llm import LLMResource
+
+
+async def know_server(llm: LLMResource, settings: EngineSettings) -> None:
+    """Ask a self-hosted server what it is (once per model; not when `provider` names it)
+    and the model's context window; the profile's defaults then follow what it said. A
+    hosted API is never asked. The window the server reports beats the known-models
+    table (a local server may serve any model under a hosted model's name)."""
+    if llm.profile.hosted:
+        return
+    headers = {"Authorization": f"Bearer {llm.api_key}"} if llm.api_key else {}
+    if llm.provider is not None:
+        if not settings.context_window:
+            settings.context_window = await discover_context_window(
+                base_url=llm.base_url, model=settings.model, headers=headers
+            )
+        return
+    info = llm._servers.get(settings.model)
+    if info is None:
+        info = await probe_server(base_url=llm.base_url, model=settings.model, headers=headers)
+        llm._servers[settings.model] = info
+    if not llm.context_window and info.context_window:
+        settings.context_window = info.context_window
+    settings.max_concurrency = llm.concurrency
+    settings.request_timeout_s = llm.request_timeout_s or llm.profile.request_timeout_s
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    llm: LLMResource, *, model: str | None = None, params: dict[str, Any] | None = None
+) -> AsyncIterator[Engine]:
+    """An engine bound to the running event loop; closes its connections on exit.
+
+    `model` and `params` override the resource's for this engine (one asset, one model).
+    """
+    model = model or llm.model
+    settings = llm.engine_settings(model=model, params=params)
+    await know_server(llm, settings)
+    transport = TRANSPORTS[llm.transport](
+        base_url=llm.base_url,
+        api_key=llm.api_key,
+        api_version=llm.api_version,
+        model=model,
+        max_connections=settings.max_concurrency,
+    )
+    limiter = gate = engine = None
+    shared = llm.adaptive and llm.redis_url is not None  # runs on one server share it
+    client = await _open_redis(llm, transport) if llm.limited or shared else None
+    if llm.limited:
+        limiter = RedisLimiter(
+            client,
+            namespace=limiter_namespace(llm.base_url, model, llm.api_key),
+            settings=LimiterSettings(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
+            job=llm.job_key,
+            weight=llm.job_weight,
+            where=safe_url(llm.effective_redis_url or ""),
+        )
+    if llm.adaptive:
+        gate = ConcurrencyGate(
+            max_concurrency=llm.concurrency,
+            client=client if shared else None,
+            namespace=concurrency_namespace(llm.base_url),
+        )
+    try:
+        if limiter is not None:
+            await limiter.prepare()
+        engine = Engine(settings, transport, limiter, gate)
+        yield engine
+    finally:
+        if engine is not None:
+            await engine.drain()
+        if gate is not None:
+            await gate.close()
+        if limiter is not None:
+            await limiter.release()
+        if client is not None:
+            await client.aclose()
+        await transport.aclose()
+
+
+async def _open_redis(llm: LLMResource, transport: Any) -> Any:
+    """A client of the limiter's Redis, connected and authenticated (else all is closed)."""
+    if llm.effective_redis_url is None:
+        llm.start()
+    url = llm.effective_redis_url
+    client = connect_redis(url)
+    try:
+        await check_redis(client, url)
+    except BaseException:
+        await client.aclose()
+        await transport.aclose()
+        raise
+    return client
