@@ -25,7 +25,8 @@ from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
 from batch_llm_assets.warehouses import bigquery_dml as bqw_dml
 from batch_llm_assets.warehouses import bigquery_session as bqw
 from batch_llm_assets.warehouses.base import OutputTable, SliceFilter, SourceRef
-from batch_llm_assets.warehouses.bigquery_session import table_parts
+from batch_llm_assets.warehouses.bigquery_dml import TYPES as BQ_TYPES
+from batch_llm_assets.warehouses.bigquery_names import quote_table, table_parts
 from batch_llm_assets.warehouses.duckdb_session import DuckDBSession
 
 from .conftest import SIM_KEY
@@ -476,7 +477,7 @@ def test_table_names_need_a_dataset_and_a_valid_project(bad):
 def test_project_ids_may_contain_hyphens():
     assert table_parts("my-project-42.analytics.news") == ("my-project-42", "analytics", "news")
     assert table_parts("analytics.news") == (None, "analytics", "news")
-    assert bqw._qt("my-project-42.analytics.news") == "`my-project-42`.`analytics`.`news`"
+    assert quote_table("my-project-42.analytics.news") == "`my-project-42`.`analytics`.`news`"
 
 
 def test_output_dataset_is_created_and_tables_are_listed(bq_endpoint, bq, dataset):
@@ -502,7 +503,7 @@ def result_row(i, key, status="ok", **kw):
     return {"id": i, "partition_key": key, "status": status, "request_hash": f"{key}/{i}"} | kw
 
 
-OLD_COLUMNS = ", ".join(f"`{c}` {bqw._TYPES[t]}" for c, t in OUTPUT_COLUMNS)
+OLD_COLUMNS = ", ".join(f"`{c}` {BQ_TYPES[t]}" for c, t in OUTPUT_COLUMNS)
 
 
 def test_partitions_keep_their_own_rows_and_old_tables_are_reclustered(bq_endpoint, bq, dataset):

@@ -20,41 +20,33 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC
 from typing import Any
 
-from google.api_core.exceptions import BadRequest, Conflict, NotFound, PreconditionFailed
+from google.api_core.exceptions import NotFound
 from google.cloud import bigquery
 
 from ..engine.errors import BatchLLMError
 from .base import (
-    BATCH_STATE_COLUMNS,
-    BATCH_STATE_KEY,
-    PROJECT_ID,
     Columns,
-    InvalidIdentifierError,
     OutputTable,
     SliceFilter,
     SourceRef,
     WarehouseSession,
     check_identifier,
-    check_table,
     partition_summary_dict,
     partition_summary_sql,
     utc_days,
     utc_window,
 )
-from .bigquery_dml import TYPES as _TYPES
 from .bigquery_dml import merge_sql, run_dml, struct
 from .bigquery_lease import BigQueryLeaseStore
+from .bigquery_names import (
+    ID_TYPES,
+    column_type,
+    quote_column,
+    quote_table,
+    table_parts,
+)
+from .bigquery_tables import BigQueryTables
 from .stored_answers import BIGQUERY_MAX_HASHES, bigquery_sql
-
-# The REST API's legacy type names -> GoogleSQL names.
-_LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL", "RECORD": "STRUCT"}
-# Types an id column may have: usable as a MERGE key and as a query parameter.
-_ID_TYPES = frozenset(
-    {"INT64", "STRING", "NUMERIC", "BIGNUMERIC", "BYTES", "DATE", "DATETIME", "TIMESTAMP"}
-)
-_CLUSTERABLE = frozenset(
-    {"INT64", "STRING", "NUMERIC", "BIGNUMERIC", "DATE", "DATETIME", "TIMESTAMP"}
-)
 
 # One MERGE carries at most this many rows and this many bytes of JSON-encoded parameter values:
 # below BigQuery's limits on a query request (10 MB) and on a resolved query (12 MB), and large
@@ -68,51 +60,7 @@ _HAS_OFFSET = r"[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?\s*([Zz]|UTC|[+-]\d{2}(:?\d{2})?
 LOOKUP_MAX_IDS = 10_000
 
 
-def check_project(project: str) -> str:
-    if not isinstance(project, str) or not PROJECT_ID.fullmatch(project):
-        raise InvalidIdentifierError(
-            description=f"Invalid BigQuery project id {project!r}: 6-30 lowercase letters, "
-            "digits and hyphens, starting with a letter (no quotes, backticks or semicolons)."
-        )
-    return project
-
-
-def table_parts(table: str) -> tuple[str | None, str, str]:
-    """'dataset.table' or 'project.dataset.table' -> (project or None, dataset, table), checked."""
-    parts = table.split(".") if isinstance(table, str) else [table]
-    if len(parts) == 3:
-        check_project(parts[0])
-        dataset, name = check_table(".".join(parts[1:]), max_parts=2)
-        return parts[0], dataset, name
-    if len(parts) == 2:
-        dataset, name = check_table(table, max_parts=2)
-        return None, dataset, name
-    raise InvalidIdentifierError(
-        description=f"Invalid BigQuery table name {table!r}: expected 'dataset.table' or "
-        "'project.dataset.table'."
-    )
-
-
-def _column_type(f: bigquery.SchemaField) -> str:
-    """A field's GoogleSQL type as DDL spells it (REPEATED INT64 -> ARRAY<INT64>)."""
-    kind = _LEGACY.get(f.field_type, f.field_type)
-    return f"ARRAY<{kind}>" if f.mode == "REPEATED" else kind
-
-
-def _bq(name: str) -> str:
-    return "`" + name + "`"
-
-
-def _q(column: str) -> str:
-    return _bq(check_identifier(column))
-
-
-def _qt(table: str) -> str:
-    project, dataset, name = table_parts(table)
-    return ".".join(_bq(p) for p in (project, dataset, name) if p is not None)
-
-
-class BigQuerySession(WarehouseSession):
+class BigQuerySession(BigQueryTables, WarehouseSession):
     write_interval_s = 5.0  # each MERGE is a job of 1-5 s: about one per interval per run
 
     def __init__(self, client: bigquery.Client, *, write_interval_s: float | None = None) -> None:
@@ -159,7 +107,7 @@ class BigQuerySession(WarehouseSession):
                 description=f"{what} {table!r} does not exist in BigQuery dataset "
                 f"{ref.project}.{ref.dataset_id}."
             ) from None
-        schema = Columns((f.name, _column_type(f)) for f in meta.schema)
+        schema = Columns((f.name, column_type(f)) for f in meta.schema)
         self._schemas[table] = schema
         return schema
 
@@ -188,17 +136,17 @@ class BigQuerySession(WarehouseSession):
                 f"it has {sorted(columns)}."
             )
         id_type = columns[source.id_column]
-        if id_type not in _ID_TYPES:
+        if id_type not in ID_TYPES:
             raise BatchLLMError(
                 description=f"Id column {source.table!r}.{source.id_column} has type {id_type}; "
-                f"use a column of one of {sorted(_ID_TYPES)}."
+                f"use a column of one of {sorted(ID_TYPES)}."
             )
 
     def _where(self, source: SourceRef, where: SliceFilter) -> tuple[str, list[Any]]:
         if where.kind == "all":
             return "TRUE", []
         column = where.column or ""
-        col = _q(column)
+        col = quote_column(column)
         kind = self._schema(source.table).get(column)
         if where.kind == "range":
             return self._window(source, where, col, kind)
@@ -255,8 +203,8 @@ class BigQuerySession(WarehouseSession):
 
     def slice_stats(self, source: SourceRef, where: SliceFilter) -> tuple[int, list[Any], int]:
         cond, params = self._where(source, where)
-        idc = _q(source.id_column)
-        table = _qt(source.table)
+        idc = quote_column(source.id_column)
+        table = quote_table(source.table)
         [(rows, nulls)] = self._rows(
             f"SELECT COUNT(*), COUNTIF({idc} IS NULL) FROM {table} WHERE {cond}", params
         )
@@ -272,85 +220,15 @@ class BigQuerySession(WarehouseSession):
     ) -> Iterator[list[dict[str, Any]]]:
         cond, params = self._where(source, where)
         names = [source.id_column, *source.columns]
-        cols = ", ".join(_q(c) for c in names)
+        cols = ", ".join(quote_column(c) for c in names)
         job = self._query(
-            f"SELECT {cols} FROM {_qt(source.table)} WHERE {cond} ORDER BY {_q(source.id_column)}",
+            f"SELECT {cols} FROM {quote_table(source.table)} WHERE {cond} ORDER BY {quote_column(source.id_column)}",
             params,
         )
         for page in job.result(page_size=chunk_rows).pages:
             rows = [dict(zip(names, row.values(), strict=True)) for row in page]
             for i in range(0, len(rows), chunk_rows):  # a page is never more than a chunk
                 yield rows[i : i + chunk_rows]
-
-    def ensure_output(self, output: OutputTable, source: SourceRef) -> None:
-        """Create the table clustered by (partition_key, id); bring an older one up to date.
-
-        Keys live only in the MERGE, so a table of the older layout (clustered by id) keeps its
-        rows; its clustering is switched to (partition_key, id), which BigQuery applies to data
-        written from then on. Columns the output schema gained are added (nullable); a column
-        whose type changed is refused, naming it and both types.
-        """
-        table = output.name
-        id_type = self._schema(source.table)[source.id_column]
-        ref = self._ref(table)
-        if not self._dataset_exists(ref):
-            project, dataset, _ = table_parts(table)  # no project part: the client's project
-            qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
-            self._ddl(f"CREATE SCHEMA IF NOT EXISTS {qds}")
-        cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in output.columns)
-        # Clustered by partition first: each MERGE and done-row lookup reads only its partition's
-        # blocks; then by request_hash, for the stored-answers lookup of a partition.
-        key = ["partition_key", "request_hash"] + (["id"] if id_type in _CLUSTERABLE else [])
-        cluster = " CLUSTER BY " + ", ".join(_q(c) for c in key)
-        self._ddl(f"CREATE TABLE IF NOT EXISTS {_qt(table)} (`id` {id_type}, {cols}){cluster}")
-        self._schemas.pop(table, None)
-        existing = self._schema(table, what="Output table")
-        wanted = {"id": id_type, **{c: _TYPES[t] for c, t in output.columns}}
-        wrong = {c: existing[c] for c, t in wanted.items() if c in existing and existing[c] != t}
-        if "id" not in existing or wrong:
-            diffs = ", ".join(f"{c} is {t}, expected {wanted[c]}" for c, t in wrong.items())
-            raise BatchLLMError(
-                description=f"Output table {table!r} exists with a different schema: "
-                f"{diffs or 'no id column'}. Rename or drop it (a new one is created), or alter "
-                "those columns."
-            )
-        missing = [(c, t) for c, t in wanted.items() if c not in existing]
-        # DDL, not the tables API: bqemulator applies only DDL to its storage; one statement per
-        # column, as bqemulator takes only one ALTER command per statement.
-        for c, t in missing:
-            sql = f"ALTER TABLE {_qt(table)} ADD COLUMN IF NOT EXISTS {_q(c)} {t}"
-            run_dml(lambda sql=sql: self._add_column(sql), what=f"Adding {c} to {table!r}")
-        if missing:
-            self._schemas.pop(table, None)
-        run_dml(lambda: self._cluster(ref, key), what=f"Clustering {table!r} by {key}")
-        self._id_types[table] = id_type
-
-    def _add_column(self, sql: str) -> None:
-        """A column a concurrent run (or a stale schema read: bqemulator's metadata can lag its
-        storage) already added is fine: IF NOT EXISTS is not honoured everywhere."""
-        try:
-            self._query(sql).result()
-        except BadRequest as exc:
-            if "already exists" not in str(exc):
-                raise
-
-    def _ddl(self, sql: str) -> None:
-        """CREATE ... IF NOT EXISTS, which a concurrent run's identical statement may race."""
-        try:
-            run_dml(lambda: self._query(sql).result(), what=sql.split(" (")[0])
-        except Conflict:  # "Already Exists": the other run created it first
-            pass
-
-    def _cluster(self, ref: bigquery.TableReference, key: list[str]) -> None:
-        """Cluster by `key` (from now on: BigQuery reclusters data written after the change)."""
-        meta = self.client.get_table(ref)
-        if list(meta.clustering_fields or []) == key:
-            return
-        meta.clustering_fields = key
-        try:
-            self.client.update_table(meta, ["clustering_fields"])
-        except PreconditionFailed:  # another run changed the table meanwhile: look again
-            self._cluster(ref, key)
 
     def done_hashes(
         self, output: OutputTable, partition_key: str, ids: Sequence[Any]
@@ -364,7 +242,7 @@ class BigQuerySession(WarehouseSession):
             param = bigquery.ArrayQueryParameter("ids", id_type, list(ids[i : i + LOOKUP_MAX_IDS]))
             done.update(
                 self._rows(
-                    f"SELECT `id`, `request_hash` FROM {_qt(table)} WHERE `partition_key` = @pk "
+                    f"SELECT `id`, `request_hash` FROM {quote_table(table)} WHERE `partition_key` = @pk "
                     "AND `status` = 'ok' AND `id` IN UNNEST(@ids)",
                     [param, bigquery.ScalarQueryParameter("pk", "STRING", partition_key)],
                 )
@@ -375,7 +253,7 @@ class BigQuerySession(WarehouseSession):
         self, output: OutputTable, hashes: Sequence[str], partition_key: str, *, everywhere: bool
     ) -> dict[str, dict[str, Any]]:
         names, found = output.names, {}
-        sql = bigquery_sql(_qt(output.name), names, _q, here=not everywhere)
+        sql = bigquery_sql(quote_table(output.name), names, quote_column, here=not everywhere)
         for i in range(0, len(hashes), BIGQUERY_MAX_HASHES):
             part = list(hashes[i : i + BIGQUERY_MAX_HASHES])
             params = [bigquery.ArrayQueryParameter("hashes", "STRING", part)]
@@ -387,7 +265,7 @@ class BigQuerySession(WarehouseSession):
 
     def _merge(self, output: OutputTable) -> str:
         if output not in self._merge_sql:
-            self._merge_sql[output] = merge_sql(output, _qt(output.name))
+            self._merge_sql[output] = merge_sql(output, quote_table(output.name))
         return self._merge_sql[output]
 
     def write_results(self, output: OutputTable, rows: list[dict[str, Any]]) -> None:
@@ -432,14 +310,14 @@ class BigQuerySession(WarehouseSession):
 
     def count_output(self, table: str, partition_key: str) -> int:
         [(count,)] = self._rows(
-            f"SELECT COUNT(*) FROM {_qt(table)} WHERE `partition_key` = @partition_key",
+            f"SELECT COUNT(*) FROM {quote_table(table)} WHERE `partition_key` = @partition_key",
             [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)],
         )
         return count
 
     def partition_summary(self, output: str, partition_key: str) -> dict[str, Any]:
         totals_sql, errors_sql, failed_sql, to_date_sql = partition_summary_sql(
-            _qt(output), "@partition_key"
+            quote_table(output), "@partition_key"
         )
         param = [bigquery.ScalarQueryParameter("partition_key", "STRING", partition_key)]
         [totals] = self._rows(totals_sql, param)
@@ -456,14 +334,14 @@ class BigQuerySession(WarehouseSession):
             return {}
         schema = self._schema(table, what="Output table")
         tests = [
-            f"{_q(c)} IS NULL OR ARRAY_LENGTH({_q(c)}) = 0"
+            f"{quote_column(c)} IS NULL OR ARRAY_LENGTH({quote_column(c)}) = 0"
             if schema.get(c, "").startswith("ARRAY")
-            else f"{_q(c)} IS NULL"
+            else f"{quote_column(c)} IS NULL"
             for c in columns
         ]
         parts = ", ".join(f"AVG(IF({t}, 1.0, 0.0))" for t in tests)
         [row] = self._rows(
-            f"SELECT {parts} FROM {_qt(table)} WHERE `partition_key` = @pk",
+            f"SELECT {parts} FROM {quote_table(table)} WHERE `partition_key` = @pk",
             [bigquery.ScalarQueryParameter("pk", "STRING", partition_key)],
         )
         return {c: float(v) if v is not None else 0.0 for c, v in zip(columns, row, strict=True)}
@@ -486,53 +364,3 @@ class BigQuerySession(WarehouseSession):
         except NotFound:
             raise missing from None
         return sorted(names)[: max(0, limit)]
-
-    # -- Batch API state (issue 13) ---------------------------------------------------------
-    def ensure_batch_state(self, table: str) -> None:
-        ref = self._ref(table)
-        if not self._dataset_exists(ref):
-            project, dataset, _ = table_parts(table)
-            qds = ".".join(_bq(p) for p in (project, dataset) if p is not None)
-            self._ddl(f"CREATE SCHEMA IF NOT EXISTS {qds}")
-        cols = ", ".join(f"{_q(c)} {_TYPES[t]}" for c, t in BATCH_STATE_COLUMNS)
-        self._ddl(f"CREATE TABLE IF NOT EXISTS {_qt(table)} ({cols})")
-
-    def put_batch_state(self, table: str, record: dict[str, Any]) -> None:
-        """One MERGE on the key: a DML statement, so the row is durable when it returns."""
-        names = [c for c, _ in BATCH_STATE_COLUMNS]
-        params = []
-        for column, kind in BATCH_STATE_COLUMNS:
-            value = record.get(column)
-            if kind == "timestamp" and value is not None and value.tzinfo is None:
-                value = value.replace(tzinfo=UTC)
-            params.append(bigquery.ScalarQueryParameter(column, _TYPES[kind], value))
-        on = " AND ".join(f"T.{_q(c)} = @{c}" for c in BATCH_STATE_KEY)
-        sets = ", ".join(f"{_q(c)} = @{c}" for c in names if c not in BATCH_STATE_KEY)
-        sql = (
-            f"MERGE {_qt(table)} AS T USING (SELECT 1) AS S ON {on} "
-            f"WHEN MATCHED THEN UPDATE SET {sets} "
-            f"WHEN NOT MATCHED THEN INSERT ({', '.join(_q(c) for c in names)}) "
-            f"VALUES ({', '.join('@' + c for c in names)})"
-        )
-        run_dml(
-            lambda: self._query(sql, params).result(job_retry=None),
-            what=f"Recording batch state in {table!r}",
-        )
-
-    def batch_states(
-        self, table: str, asset: str, partition_key: str | None = None, *, open_only: bool = False
-    ) -> list[dict[str, Any]]:
-        names = [c for c, _ in BATCH_STATE_COLUMNS]
-        try:
-            self.client.get_table(self._ref(table))
-        except NotFound:
-            return []
-        sql = f"SELECT {', '.join(_q(c) for c in names)} FROM {_qt(table)} WHERE `asset` = @asset"
-        params = [bigquery.ScalarQueryParameter("asset", "STRING", asset)]
-        if partition_key is not None:
-            sql += " AND `partition_key` = @pk"
-            params.append(bigquery.ScalarQueryParameter("pk", "STRING", partition_key))
-        if open_only:
-            sql += " AND `state` IN ('uploaded', 'submitted')"
-        rows = self._rows(sql + " ORDER BY `created_at`, `intent_id`", params)
-        return [dict(zip(names, row, strict=True)) for row in rows]
