@@ -97,7 +97,7 @@ def prefix():
 async def running(s: WorkerSettings):
     """A worker serving in this event loop until the block ends."""
     async with open_parts(s) as parts:
-        worker = Worker(s, engine=parts.engine, queue=parts.queue, metrics=parts.metrics)
+        worker = Worker(s, parts)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         try:
@@ -289,7 +289,7 @@ def test_results_are_idempotent_by_id(fresh_sim, valkey_url, prefix):
             await wait_results(client, queues.result_list, 2)
             await asyncio.sleep(0.3)
             # Two workers finishing the same message: the second result is dropped.
-            second = await parts.queue.ack(Held(b"member-x"), '{"id":"once"}', "once")
+            second = await parts.lanes[0].queue.ack(Held(b"member-x"), '{"id":"once"}', "once")
         rows = await client.lrange(queues.result_list, 0, -1)
         await client.aclose()
         return [json.loads(r)["id"] for r in rows], second

@@ -1,0 +1,232 @@
+"""Several request queues in one worker (issue 32), as llm-d's async processor serves them: the
+config and its refusals, the merge policies' shares under load, each queue's gateway and
+inference-objective header, its dead-letter list and its metrics. Real Valkey, the simulator
+over HTTP; shares are counted in the result list, never timed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter
+
+import pytest
+import redis.asyncio as aioredis
+
+from batch_llm_assets.worker import WorkerSettings
+from batch_llm_assets.worker.cli import add_arguments, settings_from_args
+from batch_llm_assets.worker.request_queues import RequestQueue, parse_request_queues
+
+from .test_worker import MODEL, message, names, running, settings
+from .test_worker_delivery import wait_for
+
+
+@pytest.fixture
+def prefix():
+    return f"wm{uuid.uuid4().hex[:10]}"
+
+
+def parse(*argv: str) -> WorkerSettings:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    s = settings_from_args(p.parse_args(["--model", MODEL, *argv]))
+    s.validate()
+    return s
+
+
+def test_request_queues_from_a_flag_an_env_var_or_a_yaml_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("REDIS_URL", "redis://queue:6379/0")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://gateway/v1")
+    entries = [
+        {"queue_name": "fast", "igw_base_url": "http://a/v1", "inference_objective": "chat"},
+        {"queue_name": "bulk", "type": "list", "job_key": "bulk", "weight": 3, "dead_letter": "d"},
+    ]
+    s = parse("--redis.request-queues", json.dumps(entries), "--request-merge-policy", "weighted")
+    fast, bulk = s.served()
+    assert fast == RequestQueue(name="fast", base_url="http://a/v1", inference_objective="chat")
+    assert (bulk.kind, bulk.job_key, bulk.weight, bulk.base_url) == ("list", "bulk", 3, None)
+    assert s.merge_policy == "weighted"
+    names = s.names_of(bulk)
+    assert (names.request_list, names.dead_letter_list) == ("bulk", "d")
+    assert s.names_of(fast).dead_letter_list == "fast:dead-letter"
+    assert s.names_of(fast).retry_sortedset == "retry-sortedset:fast"
+    # llm-d's flag name, its queues-config-file, and the env var with YAML in it.
+    assert parse("--redis.ss.queues-config", json.dumps(entries)).served() == s.served()
+    path = tmp_path / "queues.yaml"
+    path.write_text(
+        "- queue_name: fast\n  igw_base_url: http://a/v1\n  inference_objective: chat\n"
+    )
+    assert parse("--redis.ss.queues-config-file", str(path)).served() == (fast,)
+    monkeypatch.setenv("BATCH_LLM_WORKER_REQUEST_QUEUES", "[{queue_name: fast, weight: 2.5}]")
+    monkeypatch.setenv("BATCH_LLM_WORKER_MERGE_POLICY", "deadline-first")
+    s = parse()
+    assert [(q.name, q.weight) for q in s.served()] == [("fast", 2.5)]
+    assert s.merge_policy == "deadline-first"
+    # Without the setting, the single queue of the flags, unchanged (its objective from llm-d's
+    # single-queue flag).
+    monkeypatch.delenv("BATCH_LLM_WORKER_REQUEST_QUEUES")
+    s = parse("--redis.ss.inference-objective", "batch")
+    (single,) = s.served()
+    assert (single.name, single.inference_objective) == ("request-sortedset", "batch")
+    assert s.names_of(single) == s.queues
+
+
+def _q(**kw) -> dict:
+    return {"queue_name": "a", **kw}
+
+
+_HOSTILE = [
+    ([], "the list is empty"),
+    ([_q(), _q()], "duplicate queue_name 'a'"),
+    ([_q(id="x"), {"queue_name": "b", "id": "x"}], "duplicate queue id 'x'"),
+    ([_q(), {"queue_name": "a:processing"}], "'a:processing' of queue 'a:processing' is also"),
+    ([_q(weight=float("nan"))], "weight must be a finite number > 0, got nan"),
+    ([_q(weight=float("inf"))], "weight must be a finite number > 0, got inf"),
+    ([_q(weight=-1)], "weight must be a finite number > 0, got -1"),
+    ([_q(weight=0)], "weight must be a finite number > 0, got 0"),
+    ([_q(weight=True)], "weight must be a finite number > 0, got True"),
+    ([_q(weight="3")], "weight must be a finite number > 0, got '3'"),
+    ([_q(igw_base_url="ftp://gw/v1")], "igw_base_url must be an http:// or https:// URL"),
+    ([_q(igw_base_url="http://")], "igw_base_url must be an http:// or https:// URL"),
+    ([_q(base_url="gateway:8000")], "igw_base_url must be an http:// or https:// URL"),
+    ([_q(base_url="http://a", igw_base_url="http://b")], "not both"),
+    ([_q(inference_objective="a\r\nX-Evil: 1")], "inference_objective must be printable ASCII"),
+    ([_q(inference_objective=7)], "inference_objective must be a string"),
+    ([{"queue_name": "\ud800"}], "a lone surrogate"),
+    ([{"queue_name": ""}], "name must be a non-empty string"),
+    ([{"igw_base_url": "http://a"}], "name must be a non-empty string, got None"),
+    ([_q(type="stream")], "type must be one of ('sortedset', 'list')"),
+    ([_q(weigth=2)], "unknown field 'weigth'"),
+    ([_q(worker_pool_id="p")], "worker_pool_id is not supported"),
+    ([_q(request_path_url="/v1/completions")], "request_path_url '/v1/completions'"),
+    ([_q(job_key="")], "job_key must be a non-empty string"),
+    ([_q(dead_letter=["x"])], "dead_letter must be a non-empty string"),
+    (["a"], "request queues[0]: expected an object"),
+    ({"queues": []}, "expected a list of queue entries"),
+    ([{"queue_name": f"q{i}"} for i in range(65)], "more than 64 queues"),
+    ([{"queue_name": "result-list"}], "is also used by the result list"),
+]
+
+
+@pytest.mark.parametrize(("config", "problem"), _HOSTILE, ids=[p for _, p in _HOSTILE])
+def test_a_hostile_request_queues_config_is_refused_naming_the_problem(config, problem):
+    with pytest.raises(ValueError) as err:
+        parse("--redis.url", "redis://q", "--redis.ss.igw-base-url", "http://gw/v1",
+              "--redis.request-queues", json.dumps(config))  # fmt: skip
+    assert problem in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--request-merge-policy", "round-robin"], "merge policy must be one of"),
+        (["--redis.request-queues", "[{queue_name: a"], "neither JSON nor YAML"),
+        (["--redis.request-queues", "[" * 100_000], "request queues"),
+        (
+            ["--redis.request-queues", "[]", "--redis.ss.queues-config-file", "q.json"],
+            "mutually exclusive",
+        ),
+        (["--redis.ss.queues-config-file", "/nonexistent/q.json"], "cannot read"),
+    ],
+)
+def test_other_bad_queue_settings_are_refused(argv, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse("--redis.url", "redis://q", "--redis.ss.igw-base-url", "http://gw/v1", *argv)
+
+
+def test_every_queue_naming_its_gateway_needs_no_worker_gateway(monkeypatch):
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    entries = [{"queue_name": "a", "igw_base_url": "http://a/v1"}]
+    s = parse("--redis.url", "redis://q", "--redis.request-queues", json.dumps(entries))
+    assert s.served()[0].base_url == "http://a/v1"
+    entries.append({"queue_name": "b"})  # b would go to the worker's gateway: there is none
+    with pytest.raises(ValueError, match="igw-base-url"):
+        parse("--redis.url", "redis://q", "--redis.request-queues", json.dumps(entries))
+
+
+SHARE_OF = 1000  # messages counted per share test (issue 32: within 10 % over 1,000 messages)
+
+
+async def fill(client, q: RequestQueue, ids_deadlines: list[tuple[str, float]]) -> None:
+    """One queue's messages in one command: ZADD by deadline, or LPUSH in order."""
+    members = {json.dumps(message(i, deadline_in=d - time.time())): d for i, d in ids_deadlines}
+    if q.kind == "list":
+        await client.lpush(q.name, *members)
+    else:
+        await client.zadd(q.name, members)
+
+
+def serve_and_count(sim, url, prefix, entries, policy, deadlines) -> dict[str, float]:
+    """Each queue filled (deadlines[name]: its messages' deadlines), one worker serving them
+    under the policy until SHARE_OF results: each queue's share of the first SHARE_OF."""
+    s = settings(
+        sim,
+        url,
+        names(prefix),
+        request_queues=parse_request_queues(json.dumps(entries)),
+        merge_policy=policy,
+        concurrency=16,
+    )
+
+    async def main():
+        client = aioredis.Redis.from_url(url)
+        for q in s.request_queues:
+            await fill(client, q, [(f"{q.name}-{j}", d) for j, d in enumerate(deadlines[q.name])])
+        result_list = s.queues.result_list
+
+        async def enough():
+            return await client.llen(result_list) >= SHARE_OF
+
+        async with running(s):
+            await wait_for(enough, f"{SHARE_OF} results", timeout=240)
+        first = await client.lrange(result_list, -SHARE_OF, -1)  # LPUSHed: the oldest last
+        await client.delete(*(await client.keys(f"{prefix}*")))
+        await client.aclose()
+        return Counter(json.loads(r)["id"].rsplit("-", 1)[0] for r in first)
+
+    counts = asyncio.run(main())
+    return {name: n / SHARE_OF for name, n in counts.items()}
+
+
+def assert_shares(got: dict[str, float], want: dict[str, float]) -> None:
+    for name, share in want.items():
+        assert abs(got.get(name, 0) - share) <= 0.1 * share, (got, want)
+
+
+def _queues(prefix: str, weights: dict[str, float], kinds: dict[str, str]) -> list[dict]:
+    return [
+        {"queue_name": f"{prefix}{n}", "weight": w, "type": kinds.get(n, "sortedset")}
+        for n, w in weights.items()
+    ]
+
+
+def test_random_robin_gives_each_queue_an_equal_share(fresh_sim, valkey_url, prefix):
+    """llm-d's policy: weights play no part, each of 3 queues (one a list) gets a third."""
+    entries = _queues(prefix, {"a": 5, "b": 3, "c": 2}, {"b": "list"})
+    deadline = time.time() + 600
+    deadlines = {e["queue_name"]: [deadline] * 600 for e in entries}
+    got = serve_and_count(fresh_sim, valkey_url, prefix, entries, "random-robin", deadlines)
+    assert_shares(got, {f"{prefix}{n}": 1 / 3 for n in "abc"})
+
+
+def test_weighted_gives_each_queue_its_weight_share(fresh_sim, valkey_url, prefix):
+    entries = _queues(prefix, {"a": 5, "b": 3, "c": 2}, {"c": "list"})
+    deadline = time.time() + 600
+    deadlines = {e["queue_name"]: [deadline] * 600 for e in entries}
+    got = serve_and_count(fresh_sim, valkey_url, prefix, entries, "weighted", deadlines)
+    assert_shares(got, {f"{prefix}a": 0.5, f"{prefix}b": 0.3, f"{prefix}c": 0.2})
+
+
+def test_deadline_first_serves_the_earliest_deadlines_across_queues(fresh_sim, valkey_url, prefix):
+    """Queue a's deadlines come 5 per second, b's 3, c's (a list) 2: the first 1,000 earliest
+    deadlines are a's 500, b's 300 and c's 200, whatever the (equal) weights."""
+    entries = _queues(prefix, {"a": 1, "b": 1, "c": 1}, {"c": "list"})
+    start = time.time() + 600
+    deadlines = {
+        f"{prefix}{n}": [start + j / r for j in range(600)]
+        for n, r in zip("abc", (5, 3, 2), strict=True)
+    }
+    got = serve_and_count(fresh_sim, valkey_url, prefix, entries, "deadline-first", deadlines)
+    assert_shares(got, {f"{prefix}a": 0.5, f"{prefix}b": 0.3, f"{prefix}c": 0.2})
