@@ -15,10 +15,12 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from batch_llm_assets.worker import WorkerSettings
+from batch_llm_assets.simulator import SimulatorProcess
+from batch_llm_assets.worker import WorkerSettings, submit
 from batch_llm_assets.worker.cli import add_arguments, settings_from_args
 from batch_llm_assets.worker.request_queues import RequestQueue, parse_request_queues
 
+from .conftest import SIM_KEY
 from .test_worker import MODEL, message, names, running, settings
 from .test_worker_delivery import wait_for
 
@@ -158,9 +160,10 @@ async def fill(client, q: RequestQueue, ids_deadlines: list[tuple[str, float]]) 
         await client.zadd(q.name, members)
 
 
-def serve_and_count(sim, url, prefix, entries, policy, deadlines) -> dict[str, float]:
+def serve_and_count(sim, url, prefix, entries, policy, deadlines) -> tuple[dict, Counter]:
     """Each queue filled (deadlines[name]: its messages' deadlines), one worker serving them
-    under the policy until SHARE_OF results: each queue's share of the first SHARE_OF."""
+    under the policy until SHARE_OF results: each queue's share of the first SHARE_OF, and its
+    results in all once the worker stopped."""
     s = settings(
         sim,
         url,
@@ -181,13 +184,19 @@ def serve_and_count(sim, url, prefix, entries, policy, deadlines) -> dict[str, f
 
         async with running(s):
             await wait_for(enough, f"{SHARE_OF} results", timeout=240)
-        first = await client.lrange(result_list, -SHARE_OF, -1)  # LPUSHed: the oldest last
+        rows = [json.loads(r) for r in await client.lrange(result_list, 0, -1)]
         await client.delete(*(await client.keys(f"{prefix}*")))
         await client.aclose()
-        return Counter(json.loads(r)["id"].rsplit("-", 1)[0] for r in first)
+        return rows
 
-    counts = asyncio.run(main())
-    return {name: n / SHARE_OF for name, n in counts.items()}
+    rows = asyncio.run(main())
+    assert all(r["status_code"] == 200 for r in rows)
+
+    def queue_of(r: dict) -> str:
+        return r["id"].rsplit("-", 1)[0]
+
+    first = Counter(map(queue_of, rows[-SHARE_OF:]))  # LPUSHed: the oldest last
+    return {name: n / SHARE_OF for name, n in first.items()}, Counter(map(queue_of, rows))
 
 
 def assert_shares(got: dict[str, float], want: dict[str, float]) -> None:
@@ -207,7 +216,7 @@ def test_random_robin_gives_each_queue_an_equal_share(fresh_sim, valkey_url, pre
     entries = _queues(prefix, {"a": 5, "b": 3, "c": 2}, {"b": "list"})
     deadline = time.time() + 600
     deadlines = {e["queue_name"]: [deadline] * 600 for e in entries}
-    got = serve_and_count(fresh_sim, valkey_url, prefix, entries, "random-robin", deadlines)
+    got, _ = serve_and_count(fresh_sim, valkey_url, prefix, entries, "random-robin", deadlines)
     assert_shares(got, {f"{prefix}{n}": 1 / 3 for n in "abc"})
 
 
@@ -215,7 +224,7 @@ def test_weighted_gives_each_queue_its_weight_share(fresh_sim, valkey_url, prefi
     entries = _queues(prefix, {"a": 5, "b": 3, "c": 2}, {"c": "list"})
     deadline = time.time() + 600
     deadlines = {e["queue_name"]: [deadline] * 600 for e in entries}
-    got = serve_and_count(fresh_sim, valkey_url, prefix, entries, "weighted", deadlines)
+    got, _ = serve_and_count(fresh_sim, valkey_url, prefix, entries, "weighted", deadlines)
     assert_shares(got, {f"{prefix}a": 0.5, f"{prefix}b": 0.3, f"{prefix}c": 0.2})
 
 
@@ -228,5 +237,63 @@ def test_deadline_first_serves_the_earliest_deadlines_across_queues(fresh_sim, v
         f"{prefix}{n}": [start + j / r for j in range(600)]
         for n, r in zip("abc", (5, 3, 2), strict=True)
     }
-    got = serve_and_count(fresh_sim, valkey_url, prefix, entries, "deadline-first", deadlines)
+    got, _ = serve_and_count(fresh_sim, valkey_url, prefix, entries, "deadline-first", deadlines)
     assert_shares(got, {f"{prefix}a": 0.5, f"{prefix}b": 0.3, f"{prefix}c": 0.2})
+
+
+@pytest.fixture
+def gateways(fresh_sim):
+    """Three gateways: the shared simulator and two more of the same settings."""
+    more = [
+        SimulatorProcess(api_key=SIM_KEY, latency_ms=5, latency_per_token_ms=0.05) for _ in "bc"
+    ]
+    with more[0], more[1]:
+        yield [fresh_sim, *more]
+
+
+def test_each_queue_goes_to_its_gateway_with_its_inference_objective(gateways, valkey_url, prefix):
+    """Issue 32's case: three queues with different gateways, objectives and weights, one worker,
+    the weighted policy. Each gateway receives its queue's messages only, each with its queue's
+    x-gateway-inference-objective header (llm-d sets it from the queue's inference_objective)."""
+    objectives = {"a": "critical", "b": "standard", "c": "sheddable"}
+    weights = {"a": 5, "b": 3, "c": 2}
+    entries = [
+        {
+            "queue_name": f"{prefix}{n}",
+            "igw_base_url": sim.url,
+            "inference_objective": objectives[n],
+            "weight": weights[n],
+        }
+        for n, sim in zip("abc", gateways, strict=True)
+    ]
+    deadline = time.time() + 600
+    deadlines = {e["queue_name"]: [deadline] * 600 for e in entries}
+    shares, served = serve_and_count(
+        gateways[0], valkey_url, prefix, entries, "weighted", deadlines
+    )
+    assert_shares(shares, {f"{prefix}a": 0.5, f"{prefix}b": 0.3, f"{prefix}c": 0.2})
+    for n, sim in zip("abc", gateways, strict=True):
+        stats = sim.stats()
+        assert stats["received"] == served[f"{prefix}{n}"]
+        assert stats["headers"] == {
+            f"x-gateway-inference-objective: {objectives[n]}": stats["received"]
+        }
+
+
+def test_the_single_queue_sends_the_objective_of_its_flag(fresh_sim, valkey_url, prefix):
+    """llm-d's --redis.ss.inference-objective: the header when set, none when not."""
+    queues = names(prefix)
+
+    async def main(objective: str):
+        client = aioredis.Redis.from_url(valkey_url)
+        await submit(client, message(f"o-{objective}"), sortedset=queues.request_sortedset)
+        async with running(settings(fresh_sim, valkey_url, queues, inference_objective=objective)):
+            await wait_for(lambda: client.llen(queues.result_list), "a result")
+        await client.delete(queues.result_list)
+        await client.aclose()
+
+    asyncio.run(main("nightly-batch"))
+    asyncio.run(main(""))
+    stats = fresh_sim.stats()
+    assert stats["received"] == 2
+    assert stats["headers"] == {"x-gateway-inference-objective: nightly-batch": 1}
