@@ -16,12 +16,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from batch_llm_assets.simulator import SimulatorProcess
-from batch_llm_assets.worker import WorkerSettings, submit
+from batch_llm_assets.worker import INFERENCE_ERROR, WorkerSettings, submit
 from batch_llm_assets.worker.cli import add_arguments, settings_from_args
 from batch_llm_assets.worker.request_queues import RequestQueue, parse_request_queues
 
 from .conftest import SIM_KEY
-from .test_worker import MODEL, message, names, running, settings
+from .test_worker import MODEL, by_id, message, names, running, settings, wait_results
 from .test_worker_delivery import wait_for
 
 
@@ -297,3 +297,71 @@ def test_the_single_queue_sends_the_objective_of_its_flag(fresh_sim, valkey_url,
     stats = fresh_sim.stats()
     assert stats["received"] == 2
     assert stats["headers"] == {"x-gateway-inference-objective: nightly-batch": 1}
+
+
+def queue_sample(parts, name: str, queue: str) -> float:
+    labels = {"queue_id": queue, "queue_name": queue, "pool_name": "default"}
+    return parts.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_poisoned_message_lands_in_its_own_queues_dead_letter(fresh_sim, valkey_url, prefix):
+    """Three queues, one message of b poisoned (its answer key holds another type: every
+    delivery raises). It is dead-lettered to b's list with its last error and its delivery count;
+    a's and c's stay empty. Each queue's metrics: backlog, oldest age, results, dead letters."""
+    a, b, c = (f"{prefix}{n}" for n in "abc")
+    entries = [
+        {"queue_name": a},
+        {"queue_name": b, "dead_letter": f"{b}:poison"},
+        {"queue_name": c},
+    ]
+    s = settings(
+        fresh_sim,
+        valkey_url,
+        names(prefix),
+        request_queues=parse_request_queues(json.dumps(entries)),
+        concurrency=1,
+        max_deliveries=2,
+    )
+    fresh_sim.configure(latency_ms=2000)  # one message at a time, the others wait
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        old = time.time() - 120
+        for q in s.request_queues:
+            for j in range(2):
+                msg = message(f"{q.name}-{j}", created=old if q.name == c else time.time())
+                await submit(client, msg, sortedset=q.name)
+        await client.hset(f"{s.queues.result_list}:answer:{b}-0", "x", "1")  # b-0's poison
+        async with running(s) as parts:
+
+            async def c_waits():
+                backlog = queue_sample(parts, "llm_d_async_async_broker_backlog", c)
+                age = queue_sample(parts, "batch_llm_worker_oldest_message_age_seconds", c)
+                return backlog >= 1 and age >= 100
+
+            await wait_for(c_waits, "c's backlog and the age of its oldest message")
+            fresh_sim.configure(latency_ms=5)
+            results = await wait_results(client, s.queues.result_list, 6, timeout=60)
+            metric = {
+                name: {q: queue_sample(parts, name, q) for q in (a, b, c)}
+                for name in (
+                    "llm_d_async_async_successful_requests_total",
+                    "batch_llm_worker_dead_lettered_messages_total",
+                    "batch_llm_worker_failed_deliveries_total",
+                )
+            }
+        dead = {k: await client.lrange(k, 0, -1) for k in (f"{a}:dead-letter", f"{b}:poison")}
+        dead[f"{c}:dead-letter"] = await client.lrange(f"{c}:dead-letter", 0, -1)
+        await client.aclose()
+        return by_id(results), metric, dead
+
+    got, metric, dead = asyncio.run(main())
+    assert got[f"{b}-0"]["error_code"] == INFERENCE_ERROR
+    assert all(got[f"{q}-{j}"]["status_code"] == 200 for q, j in ((a, 0), (a, 1), (b, 1), (c, 0)))
+    (entry,) = [json.loads(e) for e in dead.pop(f"{b}:poison")]
+    assert (entry["id"], entry["queue"], entry["deliveries"]) == (f"{b}-0", b, 2)
+    assert "WRONGTYPE" in entry["cause"] and json.loads(entry["message"])["id"] == f"{b}-0"
+    assert dead == {f"{a}:dead-letter": [], f"{c}:dead-letter": []}
+    assert metric["llm_d_async_async_successful_requests_total"] == {a: 2, b: 1, c: 2}
+    assert metric["batch_llm_worker_dead_lettered_messages_total"] == {a: 0, b: 1, c: 0}
+    assert metric["batch_llm_worker_failed_deliveries_total"] == {a: 0, b: 2, c: 0}
