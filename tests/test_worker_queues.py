@@ -131,6 +131,14 @@ def test_a_hostile_request_queues_config_is_refused_naming_the_problem(config, p
             "mutually exclusive",
         ),
         (["--redis.ss.queues-config-file", "/nonexistent/q.json"], "cannot read"),
+        (
+            ["--redis.request-queues", "[{queue_name: a}]", "--redis.ss.request-queue-name", "b"],
+            "--redis.ss.request-queue-name: a single-queue setting",
+        ),
+        (
+            ["--redis.request-queues", "[{queue_name: a}]", "--redis.inference-objective", "x"],
+            "--redis.ss.inference-objective: a single-queue setting",
+        ),
     ],
 )
 def test_other_bad_queue_settings_are_refused(argv, problem):

@@ -289,23 +289,41 @@ def _request_queues(text: str | None, path: str | None) -> tuple[RequestQueue, .
     return parse_request_queues(text) if text else ()
 
 
+# What names the single queue of the flags: with --redis.request-queues, each queue has its own.
+_SINGLE_QUEUE = (
+    "request_sortedset",
+    "request_list",
+    "processing",
+    "dead_letter",
+    "inference_objective",
+)
+
+
+def _defaults_changed(values: dict, dests: tuple[str, ...]) -> list[str]:
+    default = {d: default for _, d, _, _, default, _ in _OPTIONS}
+    return [_flag(d) for d in dests if values[d] not in (default[d], None, "")]
+
+
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     values = {dest: getattr(args, dest) for _, dest, *_ in _OPTIONS}
-    missing = [_flag(d) for d in ("redis_url", "base_url", "model") if not values[d]]
+    served = _request_queues(values.pop("request_queues"), values.pop("request_queues_file"))
+    if served and (single := _defaults_changed(values, _SINGLE_QUEUE)):
+        raise ValueError(
+            f"{', '.join(single)}: a single-queue setting; with {_flag('request_queues')} "
+            "set it per queue"
+        )
+    needed = ("redis_url", "model")
+    if not served or not all(q.base_url for q in served):  # a queue goes to the worker's
+        needed += ("base_url",)
+    missing = [_flag(d) for d in needed if not values[d]]
+    if missing:
+        raise ValueError(f"missing required settings: {', '.join(missing)}")
     queues = QueueNames(**{k: values.pop(k) or None for k in _QUEUE_FIELDS})
     if not queues.request_sortedset or not queues.result_list:
         raise ValueError("the request sorted set and result list names must not be empty")
-    values["request_queues"] = _request_queues(
-        values.pop("request_queues"), values.pop("request_queues_file")
-    )
-    if values["request_queues"] and all(q.base_url for q in values["request_queues"]):
-        missing = [f for f in missing if f != _flag("base_url")]  # every queue names its own
-        values["base_url"] = values["base_url"] or values["request_queues"][0].base_url
-    if missing:
-        raise ValueError(f"missing required settings: {', '.join(missing)}")
     values["poll_interval_s"] = values.pop("poll_interval_ms") / 1000
     values["result_ttl_s"] = max(1, int(values["result_ttl_s"]))
-    return WorkerSettings(queues=queues, **values)
+    return WorkerSettings(queues=queues, request_queues=served, **values)
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:

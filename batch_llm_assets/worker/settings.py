@@ -19,7 +19,7 @@ from ..engine.transport import TRANSPORTS
 from . import _constants as K
 from .metrics import MeteredLimiter, QueueMetrics, WorkerMetrics
 from .queue import QueueNames, RedisQueue
-from .request_queues import MERGE_POLICIES, RequestQueue, validate_queues
+from .request_queues import MERGE_POLICIES, RequestQueue, check_base_url, validate_queues
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"  # llm-d's, read by the inference gateway
 
@@ -67,8 +67,8 @@ class WorkerSettings:
         """Raise ValueError naming the first bad setting."""
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("redis URL must start with redis://, rediss:// or unix://")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
+        if not all(q.base_url for q in self.served()):  # some queue goes to the worker's
+            check_base_url(self.base_url, "the base URL (--redis.ss.igw-base-url)")
         if self.http_client not in TRANSPORTS:
             raise ValueError(f"http client must be one of {sorted(TRANSPORTS)}")
         for name in ("concurrency", "batch_size", "max_attempts", "result_ttl_s", "max_deliveries"):
