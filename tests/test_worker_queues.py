@@ -312,6 +312,17 @@ def queue_sample(parts, name: str, queue: str) -> float:
     return parts.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+_RESULT_SERIES = (
+    "llm_d_async_async_successful_requests_total",
+    "batch_llm_worker_dead_lettered_messages_total",
+    "batch_llm_worker_failed_deliveries_total",
+)
+
+
+def per_queue(parts, name: str, queues: tuple[str, ...]) -> dict[str, float]:
+    return {q: queue_sample(parts, name, q) for q in queues}
+
+
 def test_a_poisoned_message_lands_in_its_own_queues_dead_letter(fresh_sim, valkey_url, prefix):
     """Three queues, one message of b poisoned (its answer key holds another type: every
     delivery raises). It is dead-lettered to b's list with its last error and its delivery count;
@@ -350,14 +361,7 @@ def test_a_poisoned_message_lands_in_its_own_queues_dead_letter(fresh_sim, valke
             await wait_for(c_waits, "c's backlog and the age of its oldest message")
             fresh_sim.configure(latency_ms=5)
             results = await wait_results(client, s.queues.result_list, 6, timeout=60)
-            metric = {
-                name: {q: queue_sample(parts, name, q) for q in (a, b, c)}
-                for name in (
-                    "llm_d_async_async_successful_requests_total",
-                    "batch_llm_worker_dead_lettered_messages_total",
-                    "batch_llm_worker_failed_deliveries_total",
-                )
-            }
+            metric = {name: per_queue(parts, name, (a, b, c)) for name in _RESULT_SERIES}
         dead = {k: await client.lrange(k, 0, -1) for k in (f"{a}:dead-letter", f"{b}:poison")}
         dead[f"{c}:dead-letter"] = await client.lrange(f"{c}:dead-letter", 0, -1)
         await client.aclose()
