@@ -88,18 +88,18 @@ def wait_received(sim, n: int, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+async def enqueue(url: str, queues: QueueNames, ids: list[str]) -> None:
+    client = aioredis.Redis.from_url(url)
+    for i in ids:
+        await submit(client, message(i), sortedset=queues.request_sortedset)
+    await client.aclose()
+
+
 def test_kill_9_mid_request_another_worker_finishes_its_messages(fresh_sim, valkey_url, prefix):
     queues = names(prefix)
     fresh_sim.configure(latency_ms=30_000)  # requests hang until the worker is killed
     ids = [f"k{i}" for i in range(4)]
-
-    async def enqueue():
-        client = aioredis.Redis.from_url(valkey_url)
-        for i in ids:
-            await submit(client, message(i), sortedset=queues.request_sortedset)
-        await client.aclose()
-
-    asyncio.run(enqueue())
+    asyncio.run(enqueue(valkey_url, queues, ids))
     victim = start_worker(worker_command(fresh_sim, valkey_url, queues))
     try:
         wait_received(fresh_sim, len(ids))
@@ -132,14 +132,7 @@ def test_sigterm_finishes_or_hands_back_in_flight_messages(fresh_sim, valkey_url
     queues = names(prefix)
     fresh_sim.configure(latency_ms=1500)
     ids = [f"t{i}" for i in range(3)]
-
-    async def enqueue():
-        client = aioredis.Redis.from_url(valkey_url)
-        for i in ids:
-            await submit(client, message(i), sortedset=queues.request_sortedset)
-        await client.aclose()
-
-    asyncio.run(enqueue())
+    asyncio.run(enqueue(valkey_url, queues, ids))
     proc = start_worker(worker_command(fresh_sim, valkey_url, queues, "--drain-timeout", drain))
     try:
         wait_received(fresh_sim, len(ids))
