@@ -97,7 +97,7 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
 
     stop = asyncio.Event()
     async with open_parts(settings) as parts:
-        worker = Worker(settings, engine=parts.engine, queue=parts.queue, metrics=parts.metrics)
+        worker = Worker(settings, parts)
         tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(batch())]
         await asyncio.sleep(args.warmup)
         w0, b0 = await client.llen(queues.result_list), batch_ok

@@ -171,6 +171,7 @@ def admit(sim: Simulator, model: str, cost: int) -> web.Response | None:
 
 async def chat(sim: Simulator, request: web.Request) -> web.StreamResponse:
     sim.stats.received()
+    sim.stats.saw_headers(request.headers)
     denied = sim.auth_error(request)
     if denied is not None:
         sim.counts["unauthorized"] += 1

@@ -7,6 +7,8 @@ window. GET /stats?log=1 includes the log; it keeps the latest ADMISSION_LOG_MAX
 (`log_dropped` says how many older ones it let go), so a simulator left running stays small.
 GET /stats?messages=1 includes the messages of the latest RECENT_MAX chat requests (each content
 cut at RECENT_CHARS), for a test to read what a client said (a repair turn, a system prompt).
+`headers` counts the values of RECORDED_HEADERS received ("name: value" -> requests), for a test
+to check what reached which gateway (llm-d's inference objective).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 ADMISSION_LOG_MAX = 250_000
 RECENT_MAX = 64
 RECENT_CHARS = 8_000
+RECORDED_HEADERS = ("x-gateway-inference-objective",)
 
 
 class Stats:
@@ -29,6 +32,12 @@ class Stats:
         self.started_at = time.time()  # when the limits were last set (windows start here)
         self.first_received_at: float | None = None
         self.recent: deque[list[dict[str, Any]]] = deque(maxlen=RECENT_MAX)
+        self.headers: Counter[str] = Counter()
+
+    def saw_headers(self, headers: Any) -> None:
+        for name in RECORDED_HEADERS:
+            if (value := headers.get(name)) is not None:
+                self.headers[f"{name}: {value}"[:RECENT_CHARS]] += 1
 
     def heard(self, messages: list[Any]) -> None:
         """Keep a chat request's messages (roles and text, cut) among the latest RECENT_MAX."""
@@ -72,6 +81,7 @@ class Stats:
             "started_at": self.started_at,
             "first_received_at": self.first_received_at,
             "log_dropped": self.counts["admitted_requests"] - len(self.admissions),
+            "headers": dict(self.headers),
         }
         if log:
             body["admissions"] = [[round(t, 6), n] for t, n in self.admissions]

@@ -11,6 +11,7 @@ from .messages import (
 )
 from .metrics import WorkerMetrics, start_metrics_server
 from .queue import QueueNames, RedisQueue, submit
+from .request_queues import QueueConfigError, RequestQueue, parse_request_queues
 from .settings import WorkerSettings, open_parts
 from .worker import Worker
 
@@ -20,14 +21,17 @@ __all__ = [
     "INFERENCE_ERROR",
     "INVALID_REQUEST",
     "InvalidMessage",
+    "QueueConfigError",
     "QueueNames",
     "RedisQueue",
     "RequestMessage",
+    "RequestQueue",
     "Worker",
     "WorkerMetrics",
     "WorkerSettings",
     "open_parts",
     "parse_message",
+    "parse_request_queues",
     "start_metrics_server",
     "submit",
 ]

@@ -22,3 +22,8 @@ MAX_DEADLINE_AHEAD_S = 366 * 86_400.0
 
 # Ids longer than this are digested in the Redis keys that carry them (done, answer, in flight).
 MAX_ID_IN_KEY = 200
+
+# Request queues one worker serves at most (each has its own engine and connection pool), and
+# the longest queue name, id, job key or inference objective a queue config may give.
+MAX_REQUEST_QUEUES = 64
+MAX_CONFIG_TEXT = 1000

@@ -3,9 +3,9 @@
 The partition pipeline's breaker (engine/breaker.py) stops a run for good; a worker serves
 many producers for weeks, so it keeps one breaker per scope instead:
 
-- the endpoint (the model and base URL this worker sends to): out of credit at once, or
-  authentication / permission / not-found errors `fatal_threshold` times in a row. Every
-  message waits, since every one would fail alike.
+- the endpoint of a request queue (the model and the base URL its messages go to): out of
+  credit at once, or authentication / permission / not-found errors `fatal_threshold` times in
+  a row. Every message of that queue waits, since every one would fail alike.
 - a producer (`metadata.producer`, or every unnamed producer together): the same 400 or 422 on
   `threshold` consecutive messages of that producer. Only its messages wait.
 
@@ -29,7 +29,6 @@ from .messages import answered
 
 log = logging.getLogger(__name__)
 
-ENDPOINT = "endpoint"
 # Failures of the endpoint, not of the message: it waits for the endpoint to recover. ABORTED:
 # the engine's own breaker stopped it unsent (the key ran out of credit meanwhile).
 ENDPOINT_CLASSES = E.FATAL_CLASSES | {E.ABORTED}
@@ -129,10 +128,10 @@ class ScopedBreaker:
                 why = f"{s.streak} consecutive messages failed with {cls}: {result.error_message}"
                 self._open(producer, why)
 
-    def open_endpoint(self, reason: str) -> None:
+    def open_endpoint(self, scope: str, reason: str) -> None:
         """The engine's own breaker stopped sending (the key is out of credit)."""
-        if not self.is_open(ENDPOINT):
-            self._open(ENDPOINT, reason)
+        if not self.is_open(scope):
+            self._open(scope, reason)
 
     def _scope(self, key: str) -> _Scope:
         if key not in self._scopes and len(self._scopes) >= K.MAX_BREAKER_SCOPES:

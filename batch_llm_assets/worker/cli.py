@@ -12,6 +12,7 @@ import signal
 
 from .metrics import start_metrics_server
 from .queue import QueueNames
+from .request_queues import RequestQueue, parse_request_queues
 from .settings import WorkerSettings, open_parts
 from .worker import Worker
 
@@ -59,6 +60,39 @@ _OPTIONS = [
         str,
         "request-sortedset",
         "Request sorted set (score = deadline).",
+    ),
+    (
+        ("--redis.ss.inference-objective", "--redis.inference-objective"),
+        "inference_objective",
+        None,
+        str,
+        "",
+        "Sent as the x-gateway-inference-objective header when set (the single queue's).",
+    ),
+    (
+        ("--redis.request-queues", "--redis.ss.queues-config"),
+        "request_queues",
+        None,
+        str,
+        None,
+        "Several request queues: a JSON or YAML list of {queue_name, type, igw_base_url, "
+        "inference_objective, job_key, weight, dead_letter} (docs/worker.md).",
+    ),
+    (
+        "--redis.ss.queues-config-file",
+        "request_queues_file",
+        None,
+        str,
+        None,
+        "The same list from a JSON or YAML file.",
+    ),
+    (
+        "--request-merge-policy",
+        "merge_policy",
+        None,
+        str,
+        "random-robin",
+        "Which queue the next message comes from: random-robin, weighted, deadline-first.",
     ),
     (
         "--redis.request-list-name",
@@ -225,21 +259,63 @@ _QUEUE_FIELDS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every option as a flag; its env var (llm-d's or BATCH_LLM_WORKER_<NAME>) is the default."""
-    for flag, dest, env, kind, default, text in _OPTIONS:
+    for flags, dest, env, kind, default, text in _OPTIONS:
         env = env or _ENV_PREFIX + dest.upper()
         value = os.environ.get(env, default)
         if isinstance(value, str) and kind is not str:
             value = kind(value)
         hint = f"env {env}" + ("" if dest == "api_key" else f"; default {default}")
-        p.add_argument(flag, dest=dest, type=kind, default=value, help=f"{text} ({hint})")
+        flags = flags if isinstance(flags, tuple) else (flags,)
+        p.add_argument(*flags, dest=dest, type=kind, default=value, help=f"{text} ({hint})")
     p.add_argument("--log-level", default=os.environ.get(_ENV_PREFIX + "LOG_LEVEL", "INFO"))
+
+
+def _flag(dest: str) -> str:
+    flags = next(f for f, d, *_ in _OPTIONS if d == dest)
+    return flags[0] if isinstance(flags, tuple) else flags
+
+
+def _request_queues(text: str | None, path: str | None) -> tuple[RequestQueue, ...]:
+    if text and path:
+        raise ValueError(
+            f"{_flag('request_queues')} and {_flag('request_queues_file')} are mutually exclusive"
+        )
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the request queues file {path!r}: {exc}") from None
+    return parse_request_queues(text) if text else ()
+
+
+# What names the single queue of the flags: with --redis.request-queues, each queue has its own.
+_SINGLE_QUEUE = (
+    "request_sortedset",
+    "request_list",
+    "processing",
+    "dead_letter",
+    "inference_objective",
+)
+
+
+def _defaults_changed(values: dict, dests: tuple[str, ...]) -> list[str]:
+    default = {d: default for _, d, _, _, default, _ in _OPTIONS}
+    return [_flag(d) for d in dests if values[d] not in (default[d], None, "")]
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     values = {dest: getattr(args, dest) for _, dest, *_ in _OPTIONS}
-    missing = [
-        f for f, d, e, *_ in _OPTIONS if d in ("redis_url", "base_url", "model") and not values[d]
-    ]
+    served = _request_queues(values.pop("request_queues"), values.pop("request_queues_file"))
+    if served and (single := _defaults_changed(values, _SINGLE_QUEUE)):
+        raise ValueError(
+            f"{', '.join(single)}: a single-queue setting; with {_flag('request_queues')} "
+            "set it per queue"
+        )
+    needed = ("redis_url", "model")
+    if not served or not all(q.base_url for q in served):  # a queue goes to the worker's
+        needed += ("base_url",)
+    missing = [_flag(d) for d in needed if not values[d]]
     if missing:
         raise ValueError(f"missing required settings: {', '.join(missing)}")
     queues = QueueNames(**{k: values.pop(k) or None for k in _QUEUE_FIELDS})
@@ -247,7 +323,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise ValueError("the request sorted set and result list names must not be empty")
     values["poll_interval_s"] = values.pop("poll_interval_ms") / 1000
     values["result_ttl_s"] = max(1, int(values["result_ttl_s"]))
-    return WorkerSettings(queues=queues, **values)
+    return WorkerSettings(queues=queues, request_queues=served, **values)
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
@@ -257,7 +333,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with open_parts(settings) as parts:
-        worker = Worker(settings, engine=parts.engine, queue=parts.queue, metrics=parts.metrics)
+        worker = Worker(settings, parts)
         runner = None
         if settings.metrics_port is not None:
             runner, port = await start_metrics_server(
@@ -267,7 +343,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
                 healthy=lambda: not worker.stopping,
             )
             print(f"worker metrics on http://{settings.metrics_host}:{port}/metrics", flush=True)
-        print(f"worker serving {settings.queues.request_sortedset}", flush=True)
+        served = ", ".join(lane.spec.name for lane in parts.lanes)
+        print(f"worker serving {served} ({settings.merge_policy})", flush=True)
         try:
             await worker.run(stop)
         finally:

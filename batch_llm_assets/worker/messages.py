@@ -241,6 +241,18 @@ def parse_message(raw: str | bytes) -> RequestMessage:
     )
 
 
+def created_of(raw: str | bytes) -> float | None:
+    """A member's `created` (Unix seconds), when it has a usable one."""
+    try:
+        data, _ = _envelope(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+    except InvalidMessage:
+        return None
+    created = data.get("created")
+    if isinstance(created, bool) or not isinstance(created, int | float):
+        return None
+    return float(created) if math.isfinite(created) else None
+
+
 def id_key(msg_id: str) -> str:
     """The id as it goes into Redis key names: a digest when it is long or not text Redis
     takes (a lone surrogate from a JSON escape)."""

@@ -29,58 +29,17 @@ _WAIT_S = (0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class WorkerMetrics:
-    """One registry per worker (several workers can live in one test process)."""
+    """One registry per worker (several workers can live in one test process); `queue()` gives
+    one request queue's series, labelled with its queue_id and queue_name."""
 
-    def __init__(self, *, queue_name: str, pool_name: str = "default") -> None:
+    def __init__(self, *, pool_name: str = "default") -> None:
         self.registry = CollectorRegistry()
-        self._labels = (queue_name, queue_name, pool_name)
-        self._llm_d_series(pool_name)
+        self.pool_name = pool_name
+        self._families: dict[str, Any] = {}
+        self._llm_d_series()
         self._our_series()
+        self._limiter_series()
         self._delivery_series()
-
-    def _counter(self, prefix: str, name: str, doc: str) -> Any:
-        counter = Counter(name, doc, _QUEUE, subsystem=prefix, registry=self.registry)
-        return counter.labels(*self._labels)
-
-    def _gauge(self, prefix: str, name: str, doc: str) -> Any:
-        gauge = Gauge(name, doc, _QUEUE, subsystem=prefix, registry=self.registry)
-        return gauge.labels(*self._labels)
-
-    def _llm_d_series(self, pool_name: str) -> None:
-        """llm-d's names and labels, so its dashboards and alerts work unchanged."""
-        self.requests = self._counter(
-            _LLMD, "async_request", "New async requests (first attempt only)."
-        )
-        self.retries = self._counter(_LLMD, "async_request_retries", "Retry attempts.")
-        self.successful = self._counter(
-            _LLMD, "async_successful_requests", "Requests answered successfully."
-        )
-        self.failed = self._counter(
-            _LLMD, "async_failed_requests", "Requests failed with a non-retryable error."
-        )
-        self.exceeded_deadline = self._counter(
-            _LLMD, "async_exceeded_deadline_requests", "Requests past their deadline, not sent."
-        )
-        self.shedded = self._counter(
-            _LLMD, "async_shedded_requests", "HTTP 429 answers from the provider."
-        )
-        self.inference_latency = Histogram(
-            "async_inference_latency_time_millis",
-            "Time spent calling the provider, in milliseconds (limiter wait excluded).",
-            _QUEUE,
-            subsystem=_LLMD,
-            buckets=_LATENCY_MS,
-            registry=self.registry,
-        ).labels(*self._labels)
-        self.queue_depth = self._gauge(
-            _LLMD, "async_queue_depth", "Messages claimed by this worker awaiting dispatch."
-        )
-        self.inflight = self._gauge(
-            _LLMD, "async_inflight_requests", "Requests being processed by this worker."
-        )
-        self.backlog = self._gauge(
-            _LLMD, "async_broker_backlog", "Messages waiting in the request sorted set and list."
-        )
         self.pool_worker_limit = Gauge(
             "async_pool_worker_limit",
             "Configured concurrency of this worker.",
@@ -89,80 +48,173 @@ class WorkerMetrics:
             registry=self.registry,
         ).labels(pool_name)
 
-    def _our_series(self) -> None:
-        """What llm-d has no series for: the engine's and the limiter's view."""
-        self.dispatched = self._counter(
-            _OURS, "dispatched_requests", "Messages handed to the engine (each attempt)."
+    def queue(self, queue_id: str, queue_name: str) -> QueueMetrics:
+        return QueueMetrics(self._families, (queue_id, queue_name, self.pool_name))
+
+    def _counter(self, attr: str, prefix: str, name: str, doc: str) -> None:
+        self._families[attr] = Counter(name, doc, _QUEUE, subsystem=prefix, registry=self.registry)
+
+    def _gauge(self, attr: str, prefix: str, name: str, doc: str) -> None:
+        self._families[attr] = Gauge(name, doc, _QUEUE, subsystem=prefix, registry=self.registry)
+
+    def _histogram(self, attr: str, prefix: str, name: str, doc: str, buckets) -> None:
+        self._families[attr] = Histogram(
+            name, doc, _QUEUE, subsystem=prefix, buckets=buckets, registry=self.registry
         )
-        self.tokens = Counter(
+
+    def _llm_d_series(self) -> None:
+        """llm-d's names and labels, so its dashboards and alerts work unchanged."""
+        c, g = self._counter, self._gauge
+        c("requests", _LLMD, "async_request", "New async requests (first attempt only).")
+        c("retries", _LLMD, "async_request_retries", "Retry attempts.")
+        c("successful", _LLMD, "async_successful_requests", "Requests answered successfully.")
+        c(
+            "failed",
+            _LLMD,
+            "async_failed_requests",
+            "Requests failed with a non-retryable error.",
+        )
+        c(
+            "exceeded_deadline",
+            _LLMD,
+            "async_exceeded_deadline_requests",
+            "Requests past their deadline, not sent.",
+        )
+        c("shedded", _LLMD, "async_shedded_requests", "HTTP 429 answers from the provider.")
+        self._histogram(
+            "inference_latency",
+            _LLMD,
+            "async_inference_latency_time_millis",
+            "Time spent calling the provider, in milliseconds (limiter wait excluded).",
+            _LATENCY_MS,
+        )
+        g("queue_depth", _LLMD, "async_queue_depth", "Messages claimed, awaiting dispatch.")
+        g("inflight", _LLMD, "async_inflight_requests", "Requests being processed.")
+        g(
+            "backlog",
+            _LLMD,
+            "async_broker_backlog",
+            "Messages waiting in the request sorted set and list.",
+        )
+
+    def _our_series(self) -> None:
+        """What llm-d has no series for: the engine's view."""
+        c, g = self._counter, self._gauge
+        c(
+            "dispatched",
+            _OURS,
+            "dispatched_requests",
+            "Messages handed to the engine (each attempt).",
+        )
+        self._families["tokens"] = Counter(
             "tokens",
             "Tokens the provider counted, by direction.",
             (*_QUEUE, "direction"),
             subsystem=_OURS,
             registry=self.registry,
         )
-        self.input_tokens = self.tokens.labels(*self._labels, "input")
-        self.output_tokens = self.tokens.labels(*self._labels, "output")
-        self.invalid = self._counter(
-            _OURS, "invalid_messages", "Malformed messages answered INVALID_REQUEST."
+        c("invalid", _OURS, "invalid_messages", "Malformed messages answered INVALID_REQUEST.")
+        c(
+            "reclaimed",
+            _OURS,
+            "reclaimed_messages",
+            "Messages whose visibility expired (a worker died).",
         )
-        self.reclaimed = self._counter(
-            _OURS, "reclaimed_messages", "Messages whose visibility expired (a worker died)."
+        c(
+            "cancelled",
+            _OURS,
+            "cancelled_messages",
+            "Messages cancelled by their producer, not sent.",
         )
-        self.cancelled = self._counter(
-            _OURS, "cancelled_messages", "Messages cancelled by their producer, not sent."
+        c(
+            "duplicates",
+            _OURS,
+            "duplicate_messages",
+            "Deliveries of an id whose result was already written.",
         )
-        self.duplicates = self._counter(
-            _OURS, "duplicate_messages", "Deliveries of an id whose result was already written."
+        g("retry_backlog", _OURS, "retry_backlog", "Messages waiting in the retry set.")
+        g(
+            "processing",
+            _OURS,
+            "processing_messages",
+            "Messages in the processing set (all workers).",
         )
-        self.retry_backlog = self._gauge(
-            _OURS, "retry_backlog", "Messages waiting in the retry set."
+        g(
+            "oldest_age",
+            _OURS,
+            "oldest_message_age_seconds",
+            "Age (now - created) of the next message in line, 0 when none or no created.",
         )
-        self.processing = self._gauge(
-            _OURS, "processing_messages", "Messages in the processing set (all workers)."
+
+    def _limiter_series(self) -> None:
+        """The shared limiter's view of this queue's engine."""
+        c, g = self._counter, self._gauge
+        c(
+            "grants",
+            _OURS,
+            "limiter_grants",
+            "Requests granted by the shared limiter (rate = granted rate).",
         )
-        self.grants = self._counter(
-            _OURS, "limiter_grants", "Requests granted by the shared limiter (rate = granted rate)."
-        )
-        self.granted_tokens = self._counter(
-            _OURS, "limiter_granted_tokens", "Tokens reserved by granted requests."
-        )
-        self.limiter_wait = Histogram(
+        c("granted_tokens", _OURS, "limiter_granted_tokens", "Tokens reserved by granted requests.")
+        self._histogram(
+            "limiter_wait",
+            _OURS,
             "limiter_wait_seconds",
             "Wait the limiter scheduled before a send.",
-            _QUEUE,
-            subsystem=_OURS,
-            buckets=_WAIT_S,
-            registry=self.registry,
-        ).labels(*self._labels)
-        self.http_429 = self._counter(_OURS, "http_429", "HTTP 429 answers from the provider.")
-        self.slowdown = self._gauge(
-            _OURS, "limiter_slowdown_factor", "Adaptive slow-down in force (1 = full rate)."
+            _WAIT_S,
         )
-        self.share = self._gauge(
-            _OURS, "limiter_share", "This job's fair share of the limit (0-1)."
+        c("http_429", _OURS, "http_429", "HTTP 429 answers from the provider.")
+        g(
+            "slowdown",
+            _OURS,
+            "limiter_slowdown_factor",
+            "Adaptive slow-down in force (1 = full rate).",
         )
-        self.slowdown.set(1.0)
+        g("share", _OURS, "limiter_share", "This job's fair share of the limit (0-1).")
 
     def _delivery_series(self) -> None:
         """Every message ends with one result (issue 27): what it took."""
-        self.dead_lettered = self._counter(
+        c = self._counter
+        c(
+            "dead_lettered",
             _OURS,
             "dead_lettered_messages",
-            "Messages answered with an error and moved to the dead-letter list after "
+            "Messages answered with an error and moved to their queue's dead-letter list after "
             "max_deliveries failed deliveries.",
         )
-        self.failed_deliveries = self._counter(
+        c(
+            "failed_deliveries",
             _OURS,
             "failed_deliveries",
             "Deliveries whose handling raised (the message is delivered again or dead-lettered).",
         )
-        self.breaker_held = self._counter(
-            _OURS, "breaker_held_messages", "Messages held, not sent, while a breaker was open."
+        c(
+            "breaker_held",
+            _OURS,
+            "breaker_held_messages",
+            "Messages held, not sent, while a breaker was open.",
         )
-        self.breaker_open = self._gauge(
-            _OURS, "breaker_open_scopes", "Breaker scopes open now (the endpoint, producers)."
+        self._gauge(
+            "breaker_open",
+            _OURS,
+            "breaker_open_scopes",
+            "Breaker scopes open now in this worker (its queues' endpoints, producers).",
         )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class QueueMetrics:
+    """One request queue's series (the families' children for its labels)."""
+
+    def __init__(self, families: dict[str, Any], labels: tuple[str, str, str]) -> None:
+        for attr, family in families.items():
+            if attr != "tokens":
+                setattr(self, attr, family.labels(*labels))
+        self.input_tokens = families["tokens"].labels(*labels, "input")
+        self.output_tokens = families["tokens"].labels(*labels, "output")
+        self.slowdown.set(1.0)
 
     def record_result(self, result: ChatResult) -> None:
         """What one engine call did: latency, tokens, 429s."""
@@ -184,14 +236,11 @@ class WorkerMetrics:
         self.slowdown.set(grant.factor)
         self.share.set(grant.share)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class MeteredLimiter(RedisLimiter):
     """The engine's limiter, reporting each grant and slow-down to the worker's metrics."""
 
-    metrics: WorkerMetrics | None = None
+    metrics: QueueMetrics | None = None
 
     async def acquire(self, tokens: int, **kwargs) -> Grant:
         grant = await super().acquire(tokens, **kwargs)

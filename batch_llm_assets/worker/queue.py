@@ -112,6 +112,7 @@ class RedisQueue:
             name: client.register_script(getattr(scripts, name))
             for name in (
                 "CLAIM",
+                "PEEK",
                 "BEGIN",
                 "ACK",
                 "MOVE",
@@ -135,6 +136,14 @@ class RedisQueue:
         args = [self.visibility_ms, n, 1 if nm.request_list else 0, self.reclaim_limit]
         out = await self._scripts["CLAIM"](keys=keys, args=args)
         return Claim([_bytes(m) for m in out[1::2]], [int(c) for c in out[2::2]], int(out[0]))
+
+    async def heads(self, n: int) -> tuple[int, list[float]]:
+        """(reclaimed, the deadlines of the next n members), after requeueing as claim does."""
+        nm = self.names
+        keys = [nm.request_sortedset, nm.processing_set, nm.retry_sortedset, nm.request_list or ""]
+        args = [n, 1 if nm.request_list else 0, self.reclaim_limit]
+        out = await self._scripts["PEEK"](keys=keys, args=args)
+        return int(out[0]), [float(d) for d in out[1:]]
 
     async def begin(self, key: str, cancel_id: str, token: str) -> Begin:
         """Done, cancelled, answered already, busy elsewhere, or go (the lock is then ours)."""
@@ -216,22 +225,27 @@ class RedisQueue:
         args = [self.visibility_ms, *(h.member for h in held)]
         return int(await self._scripts["EXTEND"](keys=keys, args=args))
 
-    async def backlog(self) -> dict[str, int]:
-        """Messages waiting in each structure (llm-d's broker backlog, plus ours)."""
+    async def backlog(self) -> dict[str, Any]:
+        """Messages waiting in each structure (llm-d's broker backlog, plus ours), and the next
+        in line of the sorted set and of the list (for their age)."""
         nm = self.names
         pipe = self.client.pipeline(transaction=False)
         pipe.zcard(nm.request_sortedset)
+        pipe.zrange(nm.request_sortedset, 0, 0)
         if nm.request_list:
             pipe.llen(nm.request_list)
+            pipe.lindex(nm.request_list, -1)
         else:
             pipe.echo(0)
+            pipe.echo("")
         pipe.zcard(nm.retry_sortedset)
         pipe.zcard(nm.processing_set)
-        sortedset, listed, retry, processing = await pipe.execute()
+        sortedset, head, listed, tail, retry, processing = await pipe.execute()
         return {
             "request": int(sortedset) + int(listed),
             "retry": int(retry),
             "processing": int(processing),
+            "next": [m for m in (*head, tail) if m],
         }
 
 

@@ -35,11 +35,8 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # or non-finite one is 0, so the member sorts first and is answered INVALID_REQUEST at once.
 # KEYS: queue zset, processing zset, retry zset, list, deliveries. ARGV: visibility ms, n,
 # use list, reclaim limit. Returns {reclaimed, member, deliveries, member, deliveries, ...}.
-CLAIM = (
-    _PRELUDE
-    + """
-local vis, n, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
-local function requeue(src, upto)
+_REQUEUE = """
+local function requeue(src, upto, limit)
   local moved = redis.call('ZRANGEBYSCORE', src, '-inf', upto, 'LIMIT', 0, limit)
   for _, m in ipairs(moved) do
     redis.call('ZADD', KEYS[1], deadline_of(m), m)
@@ -47,8 +44,15 @@ local function requeue(src, upto)
   end
   return #moved
 end
-local reclaimed = requeue(KEYS[2], now_ms)
-requeue(KEYS[3], now_ms / 1000)
+"""
+
+CLAIM = (
+    _PRELUDE
+    + _REQUEUE
+    + """
+local vis, n, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+local reclaimed = requeue(KEYS[2], now_ms, limit)
+requeue(KEYS[3], now_ms / 1000, limit)
 local out = {reclaimed}
 local function take(m)
   redis.call('ZADD', KEYS[2], now_ms + vis, m)
@@ -65,6 +69,27 @@ if n > 0 then
       take(m)
     end
   end
+end
+return out
+"""
+)
+
+# The deadlines of the next n members (the sorted set's, then the list's from its popping end),
+# after the same requeue as CLAIM: a queue whose messages wait in processing or in the retry set
+# shows them. KEYS: queue zset, processing zset, retry zset, list. ARGV: n, use list, reclaim
+# limit. Returns {reclaimed, deadline, deadline, ...}.
+PEEK = (
+    _PRELUDE
+    + _REQUEUE
+    + """
+local n, limit = tonumber(ARGV[1]), tonumber(ARGV[3])
+local out = {requeue(KEYS[2], now_ms, limit)}
+requeue(KEYS[3], now_ms / 1000, limit)
+local heads = redis.call('ZRANGE', KEYS[1], 0, n - 1, 'WITHSCORES')
+for i = 2, #heads, 2 do out[#out + 1] = heads[i] end
+if ARGV[2] == '1' and #out - 1 < n then
+  local listed = redis.call('LRANGE', KEYS[4], -n, -1)
+  for i = #listed, 1, -1 do out[#out + 1] = tostring(deadline_of(listed[i])) end
 end
 return out
 """

@@ -17,8 +17,11 @@ from ..engine import Engine, EngineSettings, LimiterSettings, limiter_namespace
 from ..engine import _constants as C
 from ..engine.transport import TRANSPORTS
 from . import _constants as K
-from .metrics import MeteredLimiter, WorkerMetrics
+from .metrics import MeteredLimiter, QueueMetrics, WorkerMetrics
 from .queue import QueueNames, RedisQueue
+from .request_queues import MERGE_POLICIES, RequestQueue, check_base_url, validate_queues
+
+OBJECTIVE_HEADER = "x-gateway-inference-objective"  # llm-d's, read by the inference gateway
 
 
 @dataclass(slots=True)
@@ -32,6 +35,10 @@ class WorkerSettings:
     api_version: str | None = None
     limiter_redis_url: str | None = None  # None: the queue's Redis
     queues: QueueNames = field(default_factory=QueueNames)
+    # Several request queues (request_queues.py); empty: the one of `queues`, as before.
+    request_queues: tuple[RequestQueue, ...] = ()
+    merge_policy: str = "random-robin"
+    inference_objective: str = ""  # of the single queue; each of request_queues has its own
     concurrency: int = 64
     batch_size: int = 10
     poll_interval_s: float = 1.0
@@ -60,8 +67,8 @@ class WorkerSettings:
         """Raise ValueError naming the first bad setting."""
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("redis URL must start with redis://, rediss:// or unix://")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
+        if not all(q.base_url for q in self.served()):  # some queue goes to the worker's
+            check_base_url(self.base_url, "the base URL (--redis.ss.igw-base-url)")
         if self.http_client not in TRANSPORTS:
             raise ValueError(f"http client must be one of {sorted(TRANSPORTS)}")
         for name in ("concurrency", "batch_size", "max_attempts", "result_ttl_s", "max_deliveries"):
@@ -79,6 +86,26 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be a finite number > 0")
         if self.visibility_timeout_s < 1:
             raise ValueError("visibility timeout must be at least 1 s")
+        if self.merge_policy not in MERGE_POLICIES:
+            raise ValueError(
+                f"request merge policy must be one of {MERGE_POLICIES}, got {self.merge_policy!r}"
+            )
+        if self.request_queues:
+            validate_queues(self.request_queues, self.queues)
+        else:
+            self.served()[0].validate()
+
+    def served(self) -> tuple[RequestQueue, ...]:
+        """The request queues: request_queues, or the single one of the flags."""
+        if self.request_queues:
+            return tuple(self.request_queues)
+        single = RequestQueue(
+            name=self.queues.request_sortedset, inference_objective=self.inference_objective
+        )
+        return (single,)
+
+    def names_of(self, q: RequestQueue) -> QueueNames:
+        return q.names(self.queues) if self.request_queues else self.queues
 
     @property
     def limited(self) -> bool:
@@ -100,20 +127,73 @@ class WorkerSettings:
         )
 
 
+@dataclass(slots=True, eq=False)
+class Lane:
+    """One request queue served: its keys, its engine (its gateway, its objective header, its
+    limiter job) and its metrics."""
+
+    spec: RequestQueue
+    queue: RedisQueue
+    engine: Engine
+    metrics: QueueMetrics
+
+    async def heads(self, n: int) -> list[float]:
+        """The deadlines of its next n messages (merge.py's deadline-first)."""
+        reclaimed, deadlines = await self.queue.heads(n)
+        if reclaimed:
+            self.metrics.reclaimed.inc(reclaimed)
+        return deadlines
+
+    @property
+    def scope(self) -> str:
+        """Its breaker scope for failures of its gateway (breaker.py)."""
+        return f"endpoint of queue {self.spec.name}"
+
+
 @dataclass(slots=True)
 class WorkerParts:
-    engine: Engine
-    queue: RedisQueue
+    lanes: list[Lane]
     metrics: WorkerMetrics
+
+
+def _engine(settings: WorkerSettings, q: RequestQueue, limiter_client, metrics) -> Engine:
+    """The queue's engine: its gateway and objective header; as a limiter job, its own when it
+    names one (weighted by its weight), else the worker's."""
+    base_url = q.base_url or settings.base_url
+    limiter = None
+    if settings.limited:
+        limiter = MeteredLimiter(
+            limiter_client,
+            namespace=limiter_namespace(base_url, settings.model, settings.api_key),
+            settings=LimiterSettings(rpm=settings.rpm, tpm=settings.tpm, burst_s=settings.burst_s),
+            job=q.job_key or settings.job_key,
+            weight=q.weight if q.job_key else settings.job_weight,
+        )
+        limiter.metrics = metrics
+    transport = TRANSPORTS[settings.http_client](
+        base_url=base_url,
+        api_key=settings.api_key,
+        api_version=settings.api_version,
+        model=settings.model,
+        max_connections=settings.concurrency,
+        extra_headers={OBJECTIVE_HEADER: q.inference_objective} if q.inference_objective else None,
+    )
+    return Engine(settings.engine_settings(), transport, limiter)
+
+
+async def _close(engine: Engine) -> None:
+    await engine.drain()
+    if engine.limiter is not None:
+        await engine.limiter.release()
+    await engine.transport.aclose()
 
 
 @contextlib.asynccontextmanager
 async def open_parts(settings: WorkerSettings) -> AsyncIterator[WorkerParts]:
-    """Engine (transport + metered limiter as a fair-share job), queue and metrics; closed on exit."""
+    """Per request queue an engine (transport + metered limiter as a fair-share job), its queue
+    and metrics; closed on exit."""
     settings.validate()
-    metrics = WorkerMetrics(
-        queue_name=settings.queues.request_sortedset, pool_name=settings.pool_name
-    )
+    metrics = WorkerMetrics(pool_name=settings.pool_name)
     client = aioredis.Redis.from_url(
         settings.redis_url, socket_timeout=10, socket_connect_timeout=5
     )
@@ -122,37 +202,21 @@ async def open_parts(settings: WorkerSettings) -> AsyncIterator[WorkerParts]:
         limiter_client = aioredis.Redis.from_url(
             settings.limiter_redis_url, socket_timeout=5, socket_connect_timeout=5
         )
-    limiter = None
-    if settings.limited:
-        limiter = MeteredLimiter(
-            limiter_client,
-            namespace=limiter_namespace(settings.base_url, settings.model, settings.api_key),
-            settings=LimiterSettings(rpm=settings.rpm, tpm=settings.tpm, burst_s=settings.burst_s),
-            job=settings.job_key,
-            weight=settings.job_weight,
+    lanes = []
+    for q in settings.served():
+        m = metrics.queue(q.queue_id, q.name)
+        queue = RedisQueue(
+            client,
+            settings.names_of(q),
+            visibility_ms=int(settings.visibility_timeout_s * 1000),
+            result_ttl_s=settings.result_ttl_s,
         )
-        limiter.metrics = metrics
-    transport = TRANSPORTS[settings.http_client](
-        base_url=settings.base_url,
-        api_key=settings.api_key,
-        api_version=settings.api_version,
-        model=settings.model,
-        max_connections=settings.concurrency,
-    )
-    queue = RedisQueue(
-        client,
-        settings.queues,
-        visibility_ms=int(settings.visibility_timeout_s * 1000),
-        result_ttl_s=settings.result_ttl_s,
-    )
-    engine = Engine(settings.engine_settings(), transport, limiter)
+        lanes.append(Lane(q, queue, _engine(settings, q, limiter_client, m), m))
     try:
-        yield WorkerParts(engine, queue, metrics)
+        yield WorkerParts(lanes, metrics)
     finally:
-        await engine.drain()
-        if limiter is not None:
-            await limiter.release()
-        await transport.aclose()
+        for lane in lanes:
+            await _close(lane.engine)
         if limiter_client is not client:
             await limiter_client.aclose()
         await client.aclose()
