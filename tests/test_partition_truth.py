@@ -147,6 +147,13 @@ def test_a_bad_partition_fails_alone_and_every_partition_is_checked(fresh_sim, d
         assert not result.success
         materialized = instance.get_materialized_partitions(KEY)
         assert materialized == {KEYS[0], KEYS[2]}  # the bad one is not: it shows failed
+        # what the Partitions tab shows: the bad one failed, the good ones of its run green
+        status = instance.get_status_by_partition(KEY, KEYS, DAYS)
+        assert status == {
+            KEYS[0]: dg.AssetPartitionStatus.MATERIALIZED,
+            KEYS[1]: dg.AssetPartitionStatus.FAILED,
+            KEYS[2]: dg.AssetPartitionStatus.MATERIALIZED,
+        }
         assert latest(instance, KEYS[0])["partition/rows_failed"] == warn
         evaluations = check_evaluations(instance, "failed_fraction")
         assert set(evaluations) == set(KEYS)
