@@ -4,6 +4,7 @@ its Redis restarted, failed over or given a password: test_lease_redis.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 
 import dagster as dg
 import pytest
+import redis
 
 from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable
 from batch_llm_assets import build_llm_batch_asset as build
@@ -162,6 +164,26 @@ def test_two_hosts_on_bigquery_without_redis_one_pays_the_other_is_refused_at_on
 
 
 # -- a holder killed with SIGKILL ----------------------------------------------------------------
+def _outlive_the_relaunch_in_redis(url: str, pid: int) -> None:
+    """The dead holder's lease key lives past the relaunch's step limit (its pid names it)."""
+    r = redis.Redis.from_url(url)
+    keys = [
+        k for k in r.scan_iter(KEY_PREFIX + "*") if json.loads(r.get(k) or "{}").get("pid") == pid
+    ]
+    assert len(keys) == 1  # it held the lease when it was killed
+    r.pexpire(keys[0], STEP_TIMEOUT_S * 1000)
+
+
+def _outlive_the_relaunch_in_bigquery(client, ds: str) -> None:
+    table = f"`{ds}`.`_batch_llm_leases`"
+    assert bq_query(client, f"SELECT COUNT(*) FROM {table}") == [(1,)]
+    bq_query(
+        client,
+        f"UPDATE {table} SET expires_at = "
+        f"TIMESTAMP_ADD(CURRENT_TIMESTAMP(), INTERVAL {STEP_TIMEOUT_S} SECOND) WHERE TRUE",
+    )
+
+
 @pytest.mark.parametrize("backend", ["redis", "bigquery"])
 def test_a_run_killed_with_sigkill_is_taken_over_at_once(
     fresh_sim,
@@ -173,7 +195,11 @@ def test_a_run_killed_with_sigkill_is_taken_over_at_once(
     backend,
 ):
     """The holder's process is gone (same machine: its pid is free), so the relaunch takes its
-    lease at once instead of waiting out a TTL (30 s before in Redis; BigQuery's is 60 s)."""
+    lease at once instead of waiting out a TTL (30 s before in Redis; BigQuery's is 60 s).
+
+    In lease terms: the dead holder's lease is made to outlive the relaunch's own time limit,
+    so the relaunch can only get in by taking it over while it is live, never by its lapsing
+    (a wall-clock bound on the relaunch would measure the host's load, not the lease)."""
     if backend == "redis":
         db = str(tmp_path / "kill.duckdb")
         create_demo_table(db, days=1, per_day=20)
@@ -188,12 +214,14 @@ def test_a_run_killed_with_sigkill_is_taken_over_at_once(
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
     fresh_sim.configure(latency_ms=5.0)
+    if backend == "redis":
+        _outlive_the_relaunch_in_redis(valkey_url, victim.pid)
+    else:
+        _outlive_the_relaunch_in_bigquery(bq, dataset)
     started = time.monotonic()
     relaunch = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert relaunch.returncode == 0, (relaunch.stdout + relaunch.stderr)[-3000:]
-    if backend == "bigquery":  # 60 s TTL: taken over as its holder's process is gone
-        assert "taking over the lease of run " in relaunch.stdout + relaunch.stderr
-    # (In Redis, with its 5 s TTL, the lease may also have lapsed while the relaunch started.)
+    assert "taking over the lease of run " in relaunch.stdout + relaunch.stderr
     if backend == "redis":
         assert query(db, "SELECT count(*), min(status) FROM news_sentiment") == [(20, "ok")]
     else:
