@@ -100,6 +100,54 @@ def child(url: str, redis_url: str, rows: int, offset: int) -> None:
     print(json.dumps(asyncio.run(_run(resource, rows, offset))), flush=True)
 
 
+def fixed_sweep(sim: SimulatorProcess, args: argparse.Namespace) -> dict[int, dict]:
+    """Rows/s at each fixed concurrency of the sweep (adaptive limit off)."""
+    fixed = {}
+    for c in (int(x) for x in args.sweep.split(",")):
+        sim.reset()
+        fixed[c] = run_rows(sim.url, rows=args.rows, concurrency=c, adaptive=False)
+        st = sim.stats()
+        print(
+            f"fixed {c:3d}: {fixed[c]['rows_per_s']:6.1f} rows/s, "
+            f"{st['max_concurrent']} in the server at most, "
+            f"{st['abandoned_answers']} abandoned",
+            flush=True,
+        )
+    return fixed
+
+
+def adaptive_run(sim: SimulatorProcess, args: argparse.Namespace) -> tuple[dict, int]:
+    """The adaptive limit's run, and the answers the server computed for nobody."""
+    sim.reset()
+    adaptive = run_rows(sim.url, rows=args.rows, concurrency=64, adaptive=True)
+    st = sim.stats()
+    print(
+        f"adaptive: {adaptive['rows_per_s']:6.1f} rows/s, limit {adaptive['final_limit']} "
+        f"(peak {adaptive['peak_limit']}), {st['max_concurrent']} in the server at most, "
+        f"{st['abandoned_answers']} abandoned",
+        flush=True,
+    )
+    return adaptive, st["abandoned_answers"]
+
+
+def shared_runs(sim: SimulatorProcess, args: argparse.Namespace) -> tuple[float, int]:
+    """Two processes sharing the server through one Redis: rows/s together, answers abandoned."""
+    sim.reset()
+    with EmbeddedValkey() as valkey:
+        runs = two_runs(sim.url, valkey.url, args.rows)
+    st = sim.stats()
+    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    two_rps = sum(r["rows"] for r in runs) / span
+    each = ", ".join(f"{r['rows_per_s']:.1f}" for r in runs)
+    print(
+        f"two runs: {two_rps:6.1f} rows/s together ({each} each, limits "
+        f"{[r['final_limit'] for r in runs]}), {st['max_concurrent']} in the server at "
+        f"most, {st['abandoned_answers']} abandoned",
+        flush=True,
+    )
+    return two_rps, st["abandoned_answers"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--slots", type=int, default=8)
@@ -121,57 +169,20 @@ def main() -> None:
         "jitter": 0.1,
     }
     with SimulatorProcess(**sim_settings) as sim:
-        fixed = {}
-        for c in (int(x) for x in args.sweep.split(",")):
-            sim.reset()
-            fixed[c] = run_rows(sim.url, rows=args.rows, concurrency=c, adaptive=False)
-            st = sim.stats()
-            print(
-                f"fixed {c:3d}: {fixed[c]['rows_per_s']:6.1f} rows/s, "
-                f"{st['max_concurrent']} in the server at most, "
-                f"{st['abandoned_answers']} abandoned",
-                flush=True,
-            )
+        fixed = fixed_sweep(sim, args)
         best = max(fixed, key=lambda c: fixed[c]["rows_per_s"])
         best_rps = fixed[best]["rows_per_s"]
-
-        sim.reset()
-        adaptive = run_rows(sim.url, rows=args.rows, concurrency=64, adaptive=True)
-        st = sim.stats()
-        abandoned = st["abandoned_answers"]
-        print(
-            f"adaptive: {adaptive['rows_per_s']:6.1f} rows/s, limit {adaptive['final_limit']} "
-            f"(peak {adaptive['peak_limit']}), {st['max_concurrent']} in the server at most, "
-            f"{abandoned} abandoned",
-            flush=True,
-        )
-
-        sim.reset()
-        with EmbeddedValkey() as valkey:
-            runs = two_runs(sim.url, valkey.url, args.rows)
-        st = sim.stats()
-        abandoned += st["abandoned_answers"]
-        span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
-        two_rps = sum(r["rows"] for r in runs) / span
-        each = ", ".join(f"{r['rows_per_s']:.1f}" for r in runs)
-        print(
-            f"two runs: {two_rps:6.1f} rows/s together ({each} each, limits "
-            f"{[r['final_limit'] for r in runs]}), {st['max_concurrent']} in the server at "
-            f"most, {st['abandoned_answers']} abandoned",
-            flush=True,
-        )
-    print(
-        json.dumps(
-            {
-                "best_fixed_concurrency": best,
-                "best_fixed_rows_per_s": round(best_rps, 1),
-                "adaptive_rows_per_s": round(adaptive["rows_per_s"], 1),
-                "ratio": round(adaptive["rows_per_s"] / best_rps, 3),
-                "abandoned_answers": abandoned,
-                "two_runs_ratio": round(two_rps / best_rps, 3),
-            }
-        )
-    )
+        adaptive, abandoned = adaptive_run(sim, args)
+        two_rps, abandoned_two = shared_runs(sim, args)
+    out = {
+        "best_fixed_concurrency": best,
+        "best_fixed_rows_per_s": round(best_rps, 1),
+        "adaptive_rows_per_s": round(adaptive["rows_per_s"], 1),
+        "ratio": round(adaptive["rows_per_s"] / best_rps, 3),
+        "abandoned_answers": abandoned + abandoned_two,
+        "two_runs_ratio": round(two_rps / best_rps, 3),
+    }
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,40 @@ from batch_llm_assets.simulator import SimulatorProcess
 REQUESTS = 240
 
 
+def one_job(sim: SimulatorProcess, redis_url: str, k: int, rate_headers: bool) -> dict:
+    """Job `k` on a fresh key: REQUESTS requests, LLMResource told 1,440 rpm of a 1,200 limit."""
+    key = f"key{k}"
+    sim.configure(
+        rpm=1200, bucket_s=1.0, limit_header="none", rate_headers=rate_headers, api_key=key
+    )
+    sim.reset()
+    llm = LLMResource(
+        base_url=sim.url,
+        api_key=key,
+        model="sim-1",
+        rpm=1440,
+        redis_url=redis_url,
+        job_key="too-high",
+        max_attempts=20,
+    )
+
+    async def run() -> list:
+        async with llm.engine() as engine:
+            reqs = [ChatRequest(i, [{"role": "user", "content": f"h{i}"}]) for i in range(REQUESTS)]
+            return [r async for r in engine.map(reqs)]
+
+    started = time.monotonic()
+    with llm:
+        results = asyncio.run(run())
+    return {
+        "job": k,
+        "wall_s": round(time.monotonic() - started, 2),
+        "http_429": sum(r.http_429 for r in results),
+        "failed": sum(not r.ok for r in results),
+        "sim_429": sim.stats().get("rate_limited", 0),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--jobs", type=int, default=4)
@@ -38,45 +72,8 @@ def main() -> None:
         SimulatorProcess(api_key="key0", latency_ms=5, latency_per_token_ms=0.05) as sim,
     ):
         for k in range(args.jobs):
-            key = f"key{k}"
-            sim.configure(
-                rpm=1200,
-                bucket_s=1.0,
-                limit_header="none",
-                rate_headers=args.rate_headers,
-                api_key=key,
-            )
-            sim.reset()
-            llm = LLMResource(
-                base_url=sim.url,
-                api_key=key,
-                model="sim-1",
-                rpm=1440,
-                redis_url=valkey.url,
-                job_key="too-high",
-                max_attempts=20,
-            )
-
-            async def run(llm: LLMResource = llm) -> list:
-                async with llm.engine() as engine:
-                    reqs = [
-                        ChatRequest(i, [{"role": "user", "content": f"h{i}"}])
-                        for i in range(REQUESTS)
-                    ]
-                    return [r async for r in engine.map(reqs)]
-
-            started = time.monotonic()
-            with llm:
-                results = asyncio.run(run())
-            job = {
-                "job": k,
-                "wall_s": round(time.monotonic() - started, 2),
-                "http_429": sum(r.http_429 for r in results),
-                "failed": sum(not r.ok for r in results),
-                "sim_429": sim.stats().get("rate_limited", 0),
-            }
-            jobs.append(job)
-            print(json.dumps(job), flush=True)
+            jobs.append(one_job(sim, valkey.url, k, args.rate_headers))
+            print(json.dumps(jobs[-1]), flush=True)
     print(
         json.dumps(
             {

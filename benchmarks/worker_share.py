@@ -48,18 +48,13 @@ def request_message(i: int, prompt: str, deadline_s: float = 600) -> dict:
     }
 
 
-async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
+def share_parts(sim_url: str, redis_url: str, args: argparse.Namespace):
+    """(queues, the worker's settings, the batch job's LLMResource): two jobs on one key."""
     queues = QueueNames(
         request_sortedset="share:requests",
         retry_sortedset="share:retry",
         result_list="share:results",
     )
-    # More than the whole run can send, so the queue never empties.
-    n = int(args.rpm / 60 * (args.seconds + args.warmup) * 2) + 50
-    prompts = make_prompts(n)
-    client = aioredis.Redis.from_url(redis_url)
-    for i, p in enumerate(prompts):
-        await submit(client, request_message(i, p[:400]), sortedset=queues.request_sortedset)
     settings = WorkerSettings(
         redis_url=redis_url,
         base_url=sim_url,
@@ -85,6 +80,17 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
         max_concurrency=args.concurrency,
         params={"max_tokens": 16},
     )
+    return queues, settings, llm
+
+
+async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
+    queues, settings, llm = share_parts(sim_url, redis_url, args)
+    # More than the whole run can send, so the queue never empties.
+    n = int(args.rpm / 60 * (args.seconds + args.warmup) * 2) + 50
+    prompts = make_prompts(n)
+    client = aioredis.Redis.from_url(redis_url)
+    for i, p in enumerate(prompts):
+        await submit(client, request_message(i, p[:400]), sortedset=queues.request_sortedset)
     batch_ok = 0
 
     async def batch() -> None:
@@ -95,28 +101,38 @@ async def share(sim_url: str, redis_url: str, args: argparse.Namespace) -> dict:
             # a batch row records as failed `truncated`; the worker returns it as a 200).
             batch_ok += r.ok or r.error_class in ANSWER_CLASSES
 
+    async def answered() -> tuple[int, int]:
+        return await client.llen(queues.result_list), batch_ok
+
     stop = asyncio.Event()
     async with open_parts(settings) as parts:
         worker = Worker(settings, parts)
         tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(batch())]
         await asyncio.sleep(args.warmup)
-        w0, b0 = await client.llen(queues.result_list), batch_ok
-        # Answers per second of the window, per job: a share that drifts or comes in bursts
-        # shows here, where the window's totals would hide it.
-        per_s: dict[str, list[int]] = {"worker": [], "batch": []}
-        wp, bp, end = w0, b0, time.monotonic() + args.seconds
-        while (left := end - time.monotonic()) > 0:
-            await asyncio.sleep(min(1.0, left))
-            wn, bn = await client.llen(queues.result_list), batch_ok
-            per_s["worker"].append(wn - wp)
-            per_s["batch"].append(bn - bp)
-            wp, bp = wn, bn
-        w1, b1 = wp, bp
+        per_s = await per_second(answered, args.seconds)
         tasks[1].cancel()
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     await client.aclose()
-    w, b = w1 - w0, b1 - b0
+    return share_figures(args, per_s)
+
+
+async def per_second(answered, seconds: float) -> dict[str, list[int]]:
+    """Answers per second of the window, per job: a share that drifts or comes in bursts shows
+    here, where the window's totals would hide it."""
+    per_s: dict[str, list[int]] = {"worker": [], "batch": []}
+    (wp, bp), end = await answered(), time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        await asyncio.sleep(min(1.0, left))
+        wn, bn = await answered()
+        per_s["worker"].append(wn - wp)
+        per_s["batch"].append(bn - bp)
+        wp, bp = wn, bn
+    return per_s
+
+
+def share_figures(args: argparse.Namespace, per_s: dict[str, list[int]]) -> dict:
+    w, b = sum(per_s["worker"]), sum(per_s["batch"])
     want = args.worker_weight / (args.worker_weight + args.batch_weight)
     got = w / max(1, w + b)
     # Each job's relative distance from its weighted share; the smaller share is the stricter.

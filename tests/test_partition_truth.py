@@ -17,6 +17,7 @@ from batch_llm_assets import (
     SourceTable,
     build_llm_batch_asset,
 )
+from batch_llm_assets.warehouses.base import FAILED_ROWS_SAMPLE
 
 from .conftest import SIM_KEY, create_distinct_table
 from .conftest import duckdb_query as query
@@ -146,6 +147,13 @@ def test_a_bad_partition_fails_alone_and_every_partition_is_checked(fresh_sim, d
         assert not result.success
         materialized = instance.get_materialized_partitions(KEY)
         assert materialized == {KEYS[0], KEYS[2]}  # the bad one is not: it shows failed
+        # what the Partitions tab shows: the bad one failed, the good ones of its run green
+        status = instance.get_status_by_partition(KEY, KEYS, DAYS)
+        assert status == {
+            KEYS[0]: dg.AssetPartitionStatus.MATERIALIZED,
+            KEYS[1]: dg.AssetPartitionStatus.FAILED,
+            KEYS[2]: dg.AssetPartitionStatus.MATERIALIZED,
+        }
         assert latest(instance, KEYS[0])["partition/rows_failed"] == warn
         evaluations = check_evaluations(instance, "failed_fraction")
         assert set(evaluations) == set(KEYS)
@@ -205,6 +213,32 @@ def test_failed_rows_are_listed_with_the_sql_that_lists_them_all(fresh_sim, db):
     sql = md["failed_rows_sql"].split("```sql\n")[1].split("\n```")[0]
     assert len(query(db, sql)) == n
     assert {str(r[0]) for r in query(db, sql)} == {r.data["id"] for r in records}
+
+
+def test_failed_rows_over_the_sample_cap_are_counted_and_listed_by_the_sql(fresh_sim, tmp_path):
+    # More failed rows than the sample holds: the table shows the first FAILED_ROWS_SAMPLE by
+    # id, the counts and the SQL cover every one. One failing row in 8 never makes the 5
+    # consecutive failures that trip the breaker.
+    db = str(tmp_path / "many.duckdb")
+    create_distinct_table(db, days=1, per_day=8 * (FAILED_ROWS_SAMPLE + 10))
+    n = mark_failing(db, KEYS[0], 8)
+    assert n == FAILED_ROWS_SAMPLE + 10
+    fresh_sim.configure(fail_marker="ZZFAIL")
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(
+            [asset(max_failed_fraction=0.2)],
+            resources=resources(fresh_sim, db),
+            instance=instance,
+            partition_key=KEYS[0],
+        )
+        assert result.success
+        md = latest(instance, KEYS[0])
+    assert md["partition/rows_failed"] == n
+    ids = [r.data["id"] for r in md["failed_rows"].records]
+    assert len(ids) == FAILED_ROWS_SAMPLE
+    sql = md["failed_rows_sql"].split("```sql\n")[1].split("\n```")[0]
+    listed = [str(r[0]) for r in query(db, sql)]
+    assert len(listed) == n and ids == listed[:FAILED_ROWS_SAMPLE]
 
 
 def test_limits_and_cost_are_readable_on_each_materialization(fresh_sim, db):

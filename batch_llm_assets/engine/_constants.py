@@ -77,6 +77,10 @@ ADAPT_MIN_FACTOR = 0.1
 JOB_LEASE_TTL_MS = 15_000
 SHARE_TAU_MS = 1_000
 SHARE_IDLE = 0.5
+# The set of leases and the jobs' weights and use outlive the latest acquire by this many lease
+# TTLs: a lapsed lease is still there for the next acquire to clear its job's entries, and the
+# state of a key nobody uses any more goes by itself.
+JOB_STATE_TTL_LEASES = 4
 # A request takes a fresh slot, at most this many times, when it woke later than its burst after
 # its slot, or after an overload event or a widened burst made its slot stale.
 MAX_FRESH_SLOTS = 2
@@ -96,8 +100,11 @@ PER_MINUTE_LIMIT_FRACTION = 0.5
 CALIBRATION_MIN = 0.5
 CALIBRATION_MAX = 4.0
 CALIBRATION_ANSWERS = 64
-# How long a limiter call waits out an unreachable Redis before the request fails.
+# How long a limiter call waits out an unreachable Redis before the request fails, asking again
+# after a jittered delay from LIMITER_RETRY_DELAY_S doubling to LIMITER_MAX_RETRY_DELAY_S.
 LIMITER_OUTAGE_S = 60.0
+LIMITER_RETRY_DELAY_S = 0.1
+LIMITER_MAX_RETRY_DELAY_S = 5.0
 
 # Requests rejected with these errors, this many times in a row, abort the batch.
 FATAL_ERROR_THRESHOLD = 3

@@ -171,8 +171,8 @@ end
 local lease = num('lease_ms')
 redis.call('ZADD', KEYS[2], now + lease, job .. '|' .. (a.engine or ''))
 redis.call('HSET', KEYS[3], 'w:' .. job, num('weight'))
-redis.call('PEXPIRE', KEYS[2], lease * 4)
-redis.call('PEXPIRE', KEYS[3], lease * 4)
+redis.call('PEXPIRE', KEYS[2], lease * num('state_leases'))
+redis.call('PEXPIRE', KEYS[3], lease * num('state_leases'))
 if a.back_slot then charge(num('back_slot'), num('back_epoch'), -1, -num('back_tokens'), false) end
 
 -- Weighted max-min share of the jobs with a live lease, over their recent use (an EWMA).

@@ -163,7 +163,7 @@ class RedisLimiter:
     async def _call(self, op: str, *named: object, wait: bool = True) -> Grant:
         args = [op, *self._common(), *named]
         give_up = time.monotonic() + self.settings.outage_s
-        delay = 0.1
+        delay = C.LIMITER_RETRY_DELAY_S
         while True:
             try:
                 res = await self._script(keys=self._keys, args=args)
@@ -178,7 +178,7 @@ class RedisLimiter:
                     raise err from exc
                 self.warn(type(exc).__name__, "Limiter Redis unavailable (%s); retrying.", exc)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, C.LIMITER_MAX_RETRY_DELAY_S)
         granted, wait_ms, slot, factor, share, jobs, epoch, burst = (int(x) for x in res)
         self.factor, self.epoch, self.burst_s = factor / 1e6, epoch, burst / 1000
         return Grant(
@@ -214,7 +214,8 @@ class RedisLimiter:
         s = self.settings
         return [
             *("tokens", tokens, "ticket", ticket, "weight", self.weight),
-            *("lease_ms", s.lease_ms, "share_tau_ms", C.SHARE_TAU_MS, "idle", C.SHARE_IDLE),
+            *("lease_ms", s.lease_ms, "state_leases", C.JOB_STATE_TTL_LEASES),
+            *("share_tau_ms", C.SHARE_TAU_MS, "idle", C.SHARE_IDLE),
             *("ceil_rpm", s.rpm or 0, "ceil_tpm", s.tpm or 0),
             *("free_ms", C.CEILING_FREE_BURST_S * 1000),
         ]

@@ -1,9 +1,12 @@
 """The limiter's Redis: connect, check, and what a Redis error means.
 
 redis-py turns a reply's error code into an exception class (`ReadOnlyError`, `MovedError`,
-...) and strips the code from the message, so errors are told apart by class (and by
-`status_code`), never by message text; the one exception is `BUSY` (a script running too long),
-which redis-py leaves a plain `ResponseError` that starts with its code.
+...) and strips the code from the message, so errors are told apart by class, never by message
+text. A code redis-py has no class for (`BUSY`: a script running too long, `WRONGTYPE`) stays a
+plain `ResponseError` whose message starts with it; `ERR` it strips. An error raised while our
+script runs carries "script: <sha>" whatever its cause: a code or a class (`OutOfMemoryError`)
+says the server refused a command, and only an error without either is the script's own (Lua
+failing, or a command we built wrong).
 """
 
 from __future__ import annotations
@@ -41,18 +44,22 @@ _OUTAGE_CLASSES = (
 _AUTH_CLASSES = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
 
 
+def _reply_code(exc: BaseException) -> str:
+    """The reply's error code left in a plain ResponseError's message ('' if none)."""
+    first = str(exc).split(" ", 1)[0]
+    return first if type(exc) is rx.ResponseError and first.isalpha() and first.isupper() else ""
+
+
 def error_kind(exc: BaseException) -> ErrorKind:
     """What a Redis error means for a caller: an outage to wait out, refused credentials or
     permissions, a bug in our script, or a refusal no retry fixes (OOM, a wrong type)."""
     if isinstance(exc, _AUTH_CLASSES):
         return "auth"
-    if isinstance(exc, _OUTAGE_CLASSES):
-        return "outage"
-    if isinstance(exc, rx.ResponseError) and str(exc).startswith("BUSY"):
+    if isinstance(exc, _OUTAGE_CLASSES) or _reply_code(exc) == "BUSY":
         return "outage"
     if isinstance(exc, rx.NoScriptError):
         return "script"
-    if isinstance(exc, rx.ResponseError) and "script" in str(exc).lower():
+    if type(exc) is rx.ResponseError and not _reply_code(exc) and "script" in str(exc).lower():
         return "script"
     return "refused"
 

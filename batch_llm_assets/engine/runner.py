@@ -23,44 +23,12 @@ async def run_concurrently(
     pulled lazily; results wait in a queue of `workers` places (a busy consumer holds the
     workers back). An exception in a worker (the source, `on_result`, a bug) stops it all and is
     raised here; closing or cancelling the consumer cancels the workers at once."""
-    source = _aiter(items)
-    n = max(1, workers)
-    out: asyncio.Queue[Any] = asyncio.Queue(maxsize=n)
-    lock = asyncio.Lock()
-    stop = asyncio.Event()
-
-    async def worker() -> None:
-        me = asyncio.current_task()
-        assert me is not None
-        try:
-            while not stop.is_set():
-                async with lock:
-                    if stop.is_set():
-                        break
-                    try:
-                        item = await anext(source)
-                    except StopAsyncIteration:
-                        break
-                result = await run_one(item)
-                if on_result is not None:
-                    on_result(result)
-                if stop.is_set() or me.cancelling():  # the consumer is gone; a library below
-                    return  # may have swallowed the cancel: do not wait on the queue
-                await out.put(result)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the source, the hook, or a bug: stop sending, report
-            stop.set()
-            await out.put(_Failed(exc))
-            return
-        if not me.cancelling():
-            await out.put(_DONE)
-
-    tasks = [asyncio.create_task(worker()) for _ in range(n)]
+    pool = _Pool(_aiter(items), max(1, workers))
+    tasks = [asyncio.create_task(pool.work(run_one, on_result)) for _ in range(pool.n)]
     try:
         finished = 0
-        while finished < n:
-            got = await out.get()
+        while finished < pool.n:
+            got = await pool.out.get()
             if got is _DONE:
                 finished += 1
             elif isinstance(got, _Failed):
@@ -68,15 +36,61 @@ async def run_concurrently(
             else:
                 yield got
     finally:
-        stop.set()
+        await pool.shut_down(tasks)
+
+
+class _Pool:
+    """What the workers of one run share: the input (pulled under a lock), the results queue
+    and the stop flag."""
+
+    def __init__(self, source: AsyncIterator[Any], n: int) -> None:
+        self.source, self.n = source, n
+        self.out: asyncio.Queue[Any] = asyncio.Queue(maxsize=n)
+        self.lock = asyncio.Lock()
+        self.stop = asyncio.Event()
+
+    async def work(
+        self, run_one: Callable[[Any], Awaitable[Any]], on_result: Callable[[Any], None] | None
+    ) -> None:
+        """One worker: take the next item, run it, queue its result, until the input ends."""
+        me = asyncio.current_task()
+        assert me is not None
+        try:
+            while not self.stop.is_set():
+                async with self.lock:
+                    if self.stop.is_set():
+                        break
+                    try:
+                        item = await anext(self.source)
+                    except StopAsyncIteration:
+                        break
+                result = await run_one(item)
+                if on_result is not None:
+                    on_result(result)
+                if self.stop.is_set() or me.cancelling():  # the consumer is gone; a library
+                    return  # below may have swallowed the cancel: do not wait on the queue
+                await self.out.put(result)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the source, the hook, or a bug: stop sending, report
+            self.stop.set()
+            await self.out.put(_Failed(exc))
+            return
+        if not me.cancelling():
+            await self.out.put(_DONE)
+
+    async def shut_down(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Stop and cancel every worker (waking any blocked on the full queue), then close the
+        input."""
+        self.stop.set()
         pending = set(tasks)
         while pending:
             for t in pending:
                 t.cancel()
-            while not out.empty():  # wake any worker blocked on the full queue
-                out.get_nowait()
+            while not self.out.empty():
+                self.out.get_nowait()
             _, pending = await asyncio.wait(pending, timeout=1.0)
-        await _close(source)
+        await _close(self.source)
 
 
 class _Failed:

@@ -63,6 +63,50 @@ def build_new_input_tables_sensor(
     position, so a sweep covers any number of tables over successive ticks) and at most
     `max_tables_per_tick` new partitions; the rest wait for the next tick.
     """
+    pattern, partitions_def = _checked(
+        asset, dataset, table_pattern, max_tables_per_tick, tables_per_page
+    )
+
+    @dg.sensor(
+        name=name or f"{asset.key.path[-1]}_new_input_tables",
+        asset_selection=[asset.key],
+        minimum_interval_seconds=minimum_interval_seconds,
+        required_resource_keys={warehouse_resource_key},
+        default_status=default_status,
+        description=f"New tables in {dataset} matching /{table_pattern}/ become partitions of "
+        f"{asset.key.to_user_string()} and runs.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext, **resources: object):
+        cursor = _Cursor.parse(context.cursor)
+        if cursor.after is None:
+            cursor.tables_seen = 0
+        warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
+        page = _list_page(context, cursor, warehouse, dataset, tables_per_page)
+        if isinstance(page, dg.SensorResult):
+            return page
+        new = _new_tables(
+            context,
+            cursor,
+            page,
+            dataset=dataset,
+            pattern=pattern,
+            partitions_name=partitions_def.name or "",
+            limit=max_tables_per_tick,
+            page_size=tables_per_page,
+        )
+        return _tick_result(cursor, new, dataset, partitions_def)
+
+    return _sensor
+
+
+def _checked(
+    asset: dg.AssetsDefinition,
+    dataset: str,
+    table_pattern: str,
+    max_tables_per_tick: int,
+    tables_per_page: int,
+) -> tuple[re.Pattern[str], dg.DynamicPartitionsDefinition]:
+    """The builder's arguments checked: the compiled pattern and the asset's partitions."""
     check_identifier(dataset, "dataset")
     try:
         pattern = re.compile(table_pattern)
@@ -80,67 +124,83 @@ def build_new_input_tables_sensor(
         raise BatchLLMError(description="max_tables_per_tick must be >= 1")
     if tables_per_page < 1:
         raise BatchLLMError(description="tables_per_page must be >= 1")
-    partitions_name = partitions_def.name
+    return pattern, partitions_def
 
-    @dg.sensor(
-        name=name or f"{asset.key.path[-1]}_new_input_tables",
-        asset_selection=[asset.key],
-        minimum_interval_seconds=minimum_interval_seconds,
-        required_resource_keys={warehouse_resource_key},
-        default_status=default_status,
-        description=f"New tables in {dataset} matching /{table_pattern}/ become partitions of "
-        f"{asset.key.to_user_string()} and runs.",
-    )
-    def _sensor(context: dg.SensorEvaluationContext, **resources: object):
-        cursor = _Cursor.parse(context.cursor)
-        if cursor.after is None:
-            cursor.tables_seen = 0
-        warehouse: Warehouse = getattr(context.resources, warehouse_resource_key)
-        try:
-            with warehouse.session() as session:
-                page = session.list_tables_page(dataset, cursor.after, tables_per_page)
-        except BatchLLMError as exc:
-            # A missing dataset is a state the sensor waits out (it may be created later), not
-            # an error of each tick: warned once, until it lists again.
-            if exc.description != cursor.listing_error:
-                context.log.warning(str(exc.description))
-                cursor.listing_error = str(exc.description)
-            return dg.SensorResult(
-                skip_reason=f"Cannot list dataset {dataset!r}: {exc.description}",
-                cursor=json.dumps(asdict(cursor)),
-            )
-        cursor.listing_error = None
-        new: list[str] = []
-        examined = 0
-        for table in page:
-            examined += 1
-            if not pattern.fullmatch(table):
-                continue
-            if not _readable(context, cursor, dataset, table):
-                continue
-            cursor.tables_seen += 1
-            if not context.instance.has_dynamic_partition(partitions_name, table):
-                new.append(table)
-                if len(new) >= max_tables_per_tick:
-                    break
-        if examined == len(page) and len(page) < tables_per_page:
-            cursor.after, cursor.sweeps = None, cursor.sweeps + 1  # listing done: start over
-        else:
-            cursor.after = page[examined - 1]
-        if not new:
-            return dg.SensorResult(
-                skip_reason=f"No new tables among {cursor.tables_seen} matching in {dataset} "
-                "so far in this sweep.",
-                cursor=json.dumps(asdict(cursor)),
-            )
-        cursor.last_added = new[-1]
+
+def _list_page(
+    context: dg.SensorEvaluationContext,
+    cursor: _Cursor,
+    warehouse: Warehouse,
+    dataset: str,
+    tables_per_page: int,
+) -> list[str] | dg.SensorResult:
+    """The next page of the listing, or the tick's result when the dataset cannot be listed."""
+    try:
+        with warehouse.session() as session:
+            page = session.list_tables_page(dataset, cursor.after, tables_per_page)
+    except BatchLLMError as exc:
+        # A missing dataset is a state the sensor waits out (it may be created later), not
+        # an error of each tick: warned once, until it lists again.
+        if exc.description != cursor.listing_error:
+            context.log.warning(str(exc.description))
+            cursor.listing_error = str(exc.description)
         return dg.SensorResult(
-            run_requests=[dg.RunRequest(run_key=f"table:{t}", partition_key=t) for t in new],
-            dynamic_partitions_requests=[partitions_def.build_add_request(new)],
+            skip_reason=f"Cannot list dataset {dataset!r}: {exc.description}",
             cursor=json.dumps(asdict(cursor)),
         )
+    cursor.listing_error = None
+    return page
 
-    return _sensor
+
+def _new_tables(
+    context: dg.SensorEvaluationContext,
+    cursor: _Cursor,
+    page: list[str],
+    *,
+    dataset: str,
+    pattern: re.Pattern[str],
+    partitions_name: str,
+    limit: int,
+    page_size: int,
+) -> list[str]:
+    """The page's tables that match, can be read and are no partition yet (at most `limit`);
+    the cursor moves past those examined, or back to the start once the listing is done."""
+    new: list[str] = []
+    examined = 0
+    for table in page:
+        examined += 1
+        if not pattern.fullmatch(table):
+            continue
+        if not _readable(context, cursor, dataset, table):
+            continue
+        cursor.tables_seen += 1
+        if not context.instance.has_dynamic_partition(partitions_name, table):
+            new.append(table)
+            if len(new) >= limit:
+                break
+    if examined == len(page) and len(page) < page_size:
+        cursor.after, cursor.sweeps = None, cursor.sweeps + 1  # listing done: start over
+    else:
+        cursor.after = page[examined - 1]
+    return new
+
+
+def _tick_result(
+    cursor: _Cursor, new: list[str], dataset: str, partitions_def: dg.DynamicPartitionsDefinition
+) -> dg.SensorResult:
+    """A partition and a run per new table, or a skip saying how far the sweep got."""
+    if not new:
+        return dg.SensorResult(
+            skip_reason=f"No new tables among {cursor.tables_seen} matching in {dataset} "
+            "so far in this sweep.",
+            cursor=json.dumps(asdict(cursor)),
+        )
+    cursor.last_added = new[-1]
+    return dg.SensorResult(
+        run_requests=[dg.RunRequest(run_key=f"table:{t}", partition_key=t) for t in new],
+        dynamic_partitions_requests=[partitions_def.build_add_request(new)],
+        cursor=json.dumps(asdict(cursor)),
+    )
 
 
 def _readable(
