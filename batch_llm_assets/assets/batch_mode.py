@@ -233,9 +233,7 @@ class BatchPartitionRun:
             "file_id": file_id,
             "model": self.model,
             "state": "uploaded",
-            "items": json.dumps(
-                {ln.custom_id: list(self.lines.items[ln.custom_id]) for ln, _ in group}, default=str
-            ),
+            "items": json.dumps(self.lines.record_items([ln for ln, _ in group]), default=str),
             "n_requests": len(group),
             "tokens": tokens,
             "created_at": now,
@@ -296,7 +294,7 @@ class BatchPartitionRun:
             self.stats.batch_ids.append(batch["id"])
         self.stats.queue_s.append(queued)
         back = len(items) - len(rows)
-        self._rescan = self._rescan or back > 0
+        self._rescan = self._rescan or back > 0 or self.lines.deferred
         self.log.info(
             f"partition {self.partition_key}: batch {batch['id']} {status} after {queued:.0f} s "
             f"in queue: {len(rows)} rows written" + (f", {back} go back to pending" if back else "")

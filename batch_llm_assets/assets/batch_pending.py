@@ -6,6 +6,7 @@ and into a line of the batch input file.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 from ..engine import errors as E
@@ -17,6 +18,7 @@ from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, WarehouseSession
 from .batch_results import BatchRows, custom_id
 from .pipeline import RunSpec
+from .sharing import follower_row, reuses_answers
 from .template_breaker import TemplateBreaker
 
 
@@ -50,19 +52,26 @@ class PendingLines:
         self.stats = rows.stats
         self.scopes = spec.identity_scopes(llm)
         self.finalized: set[Any] = set()  # ids this run wrote or found done: not sent again
-        self.items: dict[str, tuple[Any, str]] = {}
+        self.reuse = reuses_answers(spec.reuse_answers, self.params)
+        self.items: dict[str, tuple[Any, str]] = {}  # custom_id -> (row id, identity), to send
+        self.leaders: dict[str, str] = {}  # identity -> custom_id of the line sent for it
+        self.followers: dict[str, list[tuple[str, Any, str]]] = {}  # leader's custom_id -> rows
+        self.deferred = False  # rows wait for the answer of a batch of an earlier run
 
     def scan(self) -> list[BatchLine]:
-        """Rows not ok with the same request, not in an open batch, not written by this run."""
+        """Rows not ok with the same request, not in an open batch, not written by this run;
+        of the rows of one identity, only the first is a line (`_distinct`)."""
         in_flight: set[str] = set()
-        open_ = self.db.batch_states(
+        busy: set[str] = set()  # identities in an open batch
+        for record in self.db.batch_states(
             self.state_table, self.asset, self.partition_key, open_only=True
-        )
-        for record in open_:
-            in_flight.update(json.loads(record["items"]))
+        ):
+            items = json.loads(record["items"])
+            in_flight.update(items)
+            busy.update(item[1] for item in items.values())
         lines: list[BatchLine] = []
-        failed: list[dict[str, Any]] = []
-        self.items = {}
+        ready: list[dict[str, Any]] = []  # rows failed unsent or answered already
+        self.items, self.leaders, self.followers, self.deferred = {}, {}, {}, False
         breaker = TemplateBreaker()
         nothing_done = not self.db.has_output(self.spec.output.name, self.partition_key)
         src = self.spec.source
@@ -74,14 +83,74 @@ class PendingLines:
                     if nothing_done
                     else self.db.done_hashes(self.spec.output, self.partition_key, ids)
                 )
+                candidates = []
                 for row in chunk:
-                    line = self._line(row, done, in_flight, failed, breaker)
+                    line = self._line(row, done, in_flight, ready, breaker)
                     if line is not None:
-                        lines.append(line)
+                        candidates.append(line)
+                lines += self._distinct(candidates, ready, busy, self.reuse or not nothing_done)
         finally:  # the rows that failed before the template breaker stopped the scan, too
-            for i in range(0, len(failed), self.spec.chunk_rows):
-                self.db.write_results(self.spec.output, failed[i : i + self.spec.chunk_rows])
+            for i in range(0, len(ready), self.spec.chunk_rows):
+                self.db.write_results(self.spec.output, ready[i : i + self.spec.chunk_rows])
         return lines
+
+    def _distinct(
+        self,
+        candidates: list[BatchLine],
+        ready: list[dict[str, Any]],
+        busy: set[str],
+        look_up: bool,
+    ) -> list[BatchLine]:
+        """The chunk's lines to send, as the live path sends requests (assets/sharing.py): an
+        identity answered `ok` in the output table (this partition's rows, or any partition's
+        when answers are reused) is not sent, its rows take that answer now; of the lines of one
+        identity only the first (the leader) is sent, the others' rows take its answer when
+        its batch is collected (`followers`, recorded with it). A row whose identity is in a
+        batch of an earlier run waits for that batch (`deferred`): the next scan finds its
+        answer."""
+        hashes = [self.items[ln.custom_id][1] for ln in candidates]
+        wanted = [h for h in dict.fromkeys(hashes) if h not in self.leaders and h not in busy]
+        stored = (
+            self.db.stored_answers(
+                self.spec.output, wanted, self.partition_key, everywhere=self.reuse
+            )
+            if look_up and wanted
+            else {}
+        )
+        now = datetime.now(UTC)
+        lines = []
+        for line, rhash in zip(candidates, hashes, strict=True):
+            cid = line.custom_id
+            leader = self.leaders.get(rhash)
+            if leader is None and rhash not in busy and rhash not in stored:
+                self.leaders[rhash] = cid
+                lines.append(line)
+                continue
+            rid, _ = self.items.pop(cid)
+            if leader is not None:
+                self.followers.setdefault(leader, []).append((cid, rid, rhash))
+            elif rhash in busy:
+                self.deferred = True
+            else:
+                self.finalized.add(rid)
+                source = stored[rhash]
+                ready.append(self._shared(source, rid, now))
+        return lines
+
+    def _shared(self, source: dict[str, Any], rid: Any, now: datetime) -> dict[str, Any]:
+        return follower_row(
+            source, rid, partition_key=self.partition_key, now=now, stats=self.stats, reused=True
+        )
+
+    def record_items(self, lines: list[BatchLine]) -> dict[str, list[Any]]:
+        """What a batch's state record holds: custom_id -> [row id, identity] of each line, and
+        [row id, identity, the leader's custom_id] of each row that takes a line's answer."""
+        items: dict[str, list[Any]] = {}
+        for line in lines:
+            items[line.custom_id] = list(self.items[line.custom_id])
+            for cid, rid, rhash in self.followers.get(line.custom_id, ()):
+                items[cid] = [rid, rhash, line.custom_id]
+        return items
 
     def _line(
         self,
