@@ -203,15 +203,14 @@ class PendingLines:
         tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
         if self.window and tokens > self.window:
             self.finalized.add(rid)
-            failed.append(
-                self.rows.failed(
-                    rid,
-                    rhash,
-                    E.CONTEXT_LENGTH,
-                    f"prompt + max_tokens is about {tokens} tokens, over the model's "
-                    f"context window of {self.window}; not sent",
-                )
-            )
+            failed.append(self._too_long(rid, rhash, tokens))
             return None
         self.items[cid] = (rid, rhash)
         return BatchLine(cid, body, tokens)
+
+    def _too_long(self, rid: Any, rhash: str, tokens: int) -> dict[str, Any]:
+        message = (
+            f"prompt + max_tokens is about {tokens} tokens, over the model's context window of "
+            f"{self.window}; not sent"
+        )
+        return self.rows.failed(rid, rhash, E.CONTEXT_LENGTH, message)

@@ -28,13 +28,10 @@ from .journal import default_journal_dir, journal_key
 from .lease import partition_lease
 from .metadata import Limits, RunStats, build_metadata
 from .pipeline import RunSpec
-from .pricing import cost_usd, price_for_resource, pricing_label
+from .pricing import BATCH_PRICE_FACTOR, cost_usd, price_for_resource, pricing_label
 from .sharing import follower_row
 from .structured import OutputSchema, field_check_results, field_quality, quality_metadata
 
-# OpenAI's and Azure OpenAI's batch list price is half the live one. The dagster helper moves
-# prices to genai-prices, which knows batch prices per model: use those when it lands.
-BATCH_PRICE_FACTOR = 0.5
 # A batch that ended before reaching a request: the request's error class once it is given up.
 UNREACHED = {"expired": "batch_expired", "cancelled": "batch_cancelled"}
 
