@@ -129,6 +129,7 @@ def fresh_sim(sim):
         served_model=None,
         decode_slots=0,
         decode_slowdown=0.0,
+        flex_unavailable=0.0,
     )
     sim.reset()
     return sim

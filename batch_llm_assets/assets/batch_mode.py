@@ -24,11 +24,9 @@ from typing import Any
 
 from ..engine import errors as E
 from ..engine.batch_api import TERMINAL, BatchAPIError, BatchClient, BatchLine, split_files
-from ..engine.identity import request_identity
-from ..engine.structured import provider_kind
-from ..engine.tokens import count_prompt_tokens, requested_max_tokens
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, WarehouseSession
+from .batch_pending import PendingLines
 from .batch_results import (
     UNREACHED,
     BatchRows,
@@ -39,7 +37,6 @@ from .batch_results import (
     state_table_for,
 )
 from .pipeline import RunSpec
-from .template_breaker import TemplateBreaker
 
 OPEN_STATES = ("uploaded", "submitted")
 __all__ = ["BatchPartitionRun", "BatchSettings", "custom_id", "state_table_for"]
@@ -64,26 +61,27 @@ class BatchPartitionRun:
         self.spec, self.llm, self.db, self.where = spec, llm, session, where
         self.partition_key, self.log, self.asset, self.s = partition_key, log, asset, settings
         self.run_id = run_id
-        engine = llm.engine_settings(model=spec.model, params=spec.params)
-        self.model, self.params = engine.model, engine.params
-        self.max_tokens = requested_max_tokens(self.params, engine.default_max_tokens)
-        self.window = engine.context_window
-        self.max_prompt_chars = spec.prompt.max_chars_for(self.window)  # as live mode bounds it
         self.state_table = state_table_for(spec.output.name)
+        model = llm.engine_settings(model=spec.model, params=spec.params).model
         self.rows = BatchRows(
-            llm, self.model, partition_key, settings.price_factor, typed=spec.output_schema
+            llm, model, partition_key, settings.price_factor, typed=spec.output_schema
         )
-        # Typed outputs: asked for in the provider's form, validated per line (no repair turn).
-        self.provider_kind = provider_kind(
-            llm.base_url, api_version=llm.api_version, provider=getattr(llm, "provider", None)
+        self.lines = PendingLines(
+            spec,
+            llm,
+            session,
+            where,
+            partition_key=partition_key,
+            state_table=self.state_table,
+            asset=asset,
+            rows=self.rows,
         )
+        self.model, self.max_tokens = self.lines.model, self.lines.max_tokens
         self.stats = self.rows.stats
-        self.scopes = spec.identity_scopes(llm)
-        self.finalized: set[Any] = set()  # ids this run wrote or found done: not sent again
+        self.finalized = self.lines.finalized  # ids this run wrote or found done
         self._provider_full = False
         self._rescan = True
         self._queue: list[BatchLine] = []
-        self._items: dict[str, tuple[Any, str]] = {}
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> BatchStats:
@@ -119,7 +117,7 @@ class BatchPartitionRun:
                 await self._refresh([s for s in states if s["state"] == "submitted"])
                 if self._rescan:  # the slice is read again only when rows may be pending
                     self._rescan = False
-                    self._queue = await asyncio.to_thread(self._pending)
+                    self._queue = await asyncio.to_thread(self.lines.scan)
                 await self._submit()
                 open_ = [s for s in await self._states() if s["state"] in OPEN_STATES]
                 self.stats.batches_open = len(open_)
@@ -190,102 +188,7 @@ class BatchPartitionRun:
             still_open.append(record)
         return still_open
 
-    # -- pending rows and submission ---------------------------------------------------------
-    def _pending(self) -> list[BatchLine]:
-        """Rows not ok with the same request, not in an open batch, not written by this run."""
-        in_flight: set[str] = set()
-        open_ = self.db.batch_states(
-            self.state_table, self.asset, self.partition_key, open_only=True
-        )
-        for record in open_:
-            in_flight.update(json.loads(record["items"]))
-        lines: list[BatchLine] = []
-        failed: list[dict[str, Any]] = []
-        self._items = {}
-        breaker = TemplateBreaker()
-        nothing_done = not self.db.has_output(self.spec.output.name, self.partition_key)
-        src = self.spec.source
-        try:
-            for chunk in self.db.read_slice(src, self.where, self.spec.chunk_rows):
-                ids = [r[src.id_column] for r in chunk]
-                done = (
-                    {}
-                    if nothing_done
-                    else self.db.done_hashes(self.spec.output, self.partition_key, ids)
-                )
-                for row in chunk:
-                    line = self._line(row, done, in_flight, failed, breaker)
-                    if line is not None:
-                        lines.append(line)
-        finally:  # the rows that failed before the template breaker stopped the scan, too
-            for i in range(0, len(failed), self.spec.chunk_rows):
-                self.db.write_results(self.spec.output, failed[i : i + self.spec.chunk_rows])
-        return lines
-
-    def _line(
-        self,
-        row: dict[str, Any],
-        done: dict[Any, str],
-        in_flight: set[str],
-        failed: list[dict[str, Any]],
-        breaker: TemplateBreaker,
-    ) -> BatchLine | None:
-        """The row's batch line; None when it is done, in an open batch, or failed unsent
-        (then its row is in `failed`)."""
-        src = self.spec.source
-        rid = row[src.id_column]
-        if rid in self.finalized:
-            return None
-        if not isinstance(rid, int | str):
-            raise E.BatchLLMError(
-                description=f"Batch mode needs integer or string ids; {src.id_column!r} "
-                f"of {src.table!r} holds {type(rid).__name__} values. Use live mode or "
-                "an integer or string id column."
-            )
-        messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-        if problem is not None:
-            self.finalized.add(rid)
-            failed.append(self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent"))
-            if breaker.observe(*problem) and breaker.error is not None:
-                raise breaker.error  # the rows failed so far are written on the way out
-            return None
-        breaker.observe(None, None)
-        shaped: dict[str, Any] = {}
-        key = {**self.params, "model": self.model, "messages": messages}  # identity: reader.py
-        if (schema := self.spec.output_schema) is not None:
-            shaped, messages = schema.shape(self.provider_kind, messages)
-            key |= schema.identity
-        body = {**self.params, **shaped, "model": self.model, "messages": messages}
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = key["max_tokens"] = self.max_tokens
-        rhash = request_identity(key, self.scopes[0])
-        cid = custom_id(rid, rhash)
-        stored = done.get(rid)
-        # Rows stored, or in a batch, under the earlier identities are recognised too.
-        legacy = request_identity(key, self.scopes[1]) if stored or in_flight else None
-        exact = request_identity(body, self.scopes[0]) if (stored or in_flight) and schema else None
-        if stored is not None and stored in (rhash, legacy, exact):
-            self.stats.skipped += 1
-            self.finalized.add(rid)
-            return None
-        if cid in in_flight or any(h and custom_id(rid, h) in in_flight for h in (legacy, exact)):
-            return None
-        tokens = count_prompt_tokens(messages, self.model) + self.max_tokens
-        if self.window and tokens > self.window:
-            self.finalized.add(rid)
-            failed.append(
-                self.rows.failed(
-                    rid,
-                    rhash,
-                    E.CONTEXT_LENGTH,
-                    f"prompt + max_tokens is about {tokens} tokens, over the model's "
-                    f"context window of {self.window}; not sent",
-                )
-            )
-            return None
-        self._items[cid] = (rid, rhash)
-        return BatchLine(cid, body, tokens)
-
+    # -- submission ------------------------------------------------------------------------
     async def _submit(self) -> None:
         """Submit the queue file by file; stop (and wait) at the enqueued-token limit."""
         limit = self.s.enqueued_token_limit
@@ -330,9 +233,7 @@ class BatchPartitionRun:
             "file_id": file_id,
             "model": self.model,
             "state": "uploaded",
-            "items": json.dumps(
-                {ln.custom_id: list(self._items[ln.custom_id]) for ln, _ in group}, default=str
-            ),
+            "items": json.dumps(self.lines.record_items([ln for ln, _ in group]), default=str),
             "n_requests": len(group),
             "tokens": tokens,
             "created_at": now,
@@ -393,7 +294,7 @@ class BatchPartitionRun:
             self.stats.batch_ids.append(batch["id"])
         self.stats.queue_s.append(queued)
         back = len(items) - len(rows)
-        self._rescan = self._rescan or back > 0
+        self._rescan = self._rescan or back > 0 or self.lines.deferred
         self.log.info(
             f"partition {self.partition_key}: batch {batch['id']} {status} after {queued:.0f} s "
             f"in queue: {len(rows)} rows written" + (f", {back} go back to pending" if back else "")

@@ -28,12 +28,10 @@ from .journal import default_journal_dir, journal_key
 from .lease import partition_lease
 from .metadata import Limits, RunStats, build_metadata
 from .pipeline import RunSpec
-from .pricing import cost_usd, price_for_resource, pricing_label
+from .pricing import BATCH_PRICE_FACTOR, cost_usd, price_for_resource, pricing_label
+from .sharing import follower_row
 from .structured import OutputSchema, field_check_results, field_quality, quality_metadata
 
-# OpenAI's and Azure OpenAI's batch list price is half the live one. The dagster helper moves
-# prices to genai-prices, which knows batch prices per model: use those when it lands.
-BATCH_PRICE_FACTOR = 0.5
 # A batch that ended before reaching a request: the request's error class once it is given up.
 UNREACHED = {"expired": "batch_expired", "cancelled": "batch_cancelled"}
 
@@ -122,17 +120,45 @@ class BatchRows:
         batch: dict[str, Any],
         items: dict[str, list[Any]],
         records: list[dict[str, Any]],
+        **how: Any,
+    ) -> list[dict[str, Any]]:
+        """The rows of an ended batch (`answered`), and the rows that take a line's answer
+        (items of three: row id, identity, the line's custom_id), as in live mode."""
+        lines = {cid: item for cid, item in items.items() if len(item) == 2}
+        rows = self.answered(batch, lines, records, **how)
+        by_id = {row["id"]: row for row in rows}
+        now = datetime.now(UTC)
+        for rid, _, leader in (item for item in items.values() if len(item) == 3):
+            source = by_id.get(lines[leader][0])
+            if source is not None:  # else the line goes back to pending, and its rows with it
+                rows.append(
+                    follower_row(
+                        source,
+                        rid,
+                        partition_key=self.partition_key,
+                        now=now,
+                        stats=self.stats,
+                        reused=False,
+                    )
+                )
+        return rows
+
+    def answered(
+        self,
+        batch: dict[str, Any],
+        items: dict[str, list[Any]],
+        records: list[dict[str, Any]],
         *,
         secret: str,
         max_tokens: int,
         unreached_before: Counter[str] | None,
         max_resubmits: int,
     ) -> list[dict[str, Any]]:
-        """The rows of an ended batch: its output and error lines; every request of a failed
-        batch failed with its reason (none when the provider's queue was full: they go back to
-        pending). The requests an expired or cancelled batch did not reach go back to pending
-        too, unless they were already in `max_resubmits` such batches (`unreached_before`):
-        then they fail with its reason."""
+        """The rows of an ended batch's lines: its output and error lines; every request of a
+        failed batch failed with its reason (none when the provider's queue was full: they go
+        back to pending). The requests an expired or cancelled batch did not reach go back to
+        pending too, unless they were already in `max_resubmits` such batches
+        (`unreached_before`): then they fail with its reason."""
         if batch["status"] == "failed":
             code, reason = failure(batch)
             if code == "token_limit_exceeded":

@@ -19,7 +19,7 @@ from ..warehouses.base import SliceFilter, Warehouse, check_table
 from .checks import PartitionOutcome, check_results, failure_reason
 from .metadata import Limits, build_metadata
 from .pipeline import PartitionRun, RunSpec
-from .pricing import pricing_label
+from .pricing import check_flex, pricing_label
 from .spec import TABLE_PER_PARTITION, LlmBatchSpec
 from .structured import field_check_results, field_quality, quality_metadata
 
@@ -68,6 +68,7 @@ def run_partition(
     holds it. Raises dg.Failure only when it could not run (nothing to judge)."""
     where, partition_key, run_spec = partition_source(context, key, run_spec, spec)
     try:
+        check_flex(llm, run_spec.model or llm.model, {**llm.params, **run_spec.params}, context.log)
         with warehouse.session() as session:
             run = PartitionRun(
                 run_spec,

@@ -35,7 +35,7 @@ from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSess
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
 from .metadata import RunStats, progress_text
-from .pricing import Price, cost_usd, price_for_resource, served_model
+from .pricing import Price, price_for_resource, result_cost, served_model
 from .prompt import CompiledPrompt
 from .reader import SliceReader
 from .sharing import Sharing, reuses_answers, stored_answers
@@ -155,7 +155,7 @@ class PartitionRun:
 
     # -- answers -----------------------------------------------------------------------------
     def _row(self, r: ChatResult, now: datetime) -> dict[str, Any]:
-        cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens, cached=r.cached_tokens)
+        cost = result_cost(self.price, r)  # at the rates of the tier that answered
         self.stats.add(r, cost)
         self.served_model = served_model(self.model, r.model, self.served_model, self.log)
         row = {
@@ -175,6 +175,7 @@ class PartitionRun:
             "total_ms": r.total_ms,
             "attempts": r.attempts,
             "request_hash": self.reader.hashes.pop(r.id, None),
+            "service_tier": r.service_tier,
             "completed_at": now,
         }
         # Only text the provider sent (or our error text) can be unstorable; counts are ints.

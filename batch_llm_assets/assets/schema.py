@@ -24,6 +24,7 @@ OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("request_hash", "string"),
     ("completed_at", "timestamp"),
     ("shared_from", "string"),
+    ("service_tier", "string"),
 )
 
 _DESCRIPTIONS = {
@@ -42,6 +43,9 @@ _DESCRIPTIONS = {
     "shared_from": "set when the row was not sent but took the answer of an identical request "
     "(same request_hash): the id (as text) of the row it took it from, prefixed by "
     "'<partition_key>/' when that row is in another partition; its tokens are NULL",
+    "service_tier": "the processing tier the answer says served it (flex, default), when the "
+    "request asked for one; a flex row is priced at flex prices, one flex_fallback sent at the "
+    "standard tier at standard prices",
     "latency_ms": "the successful attempt's time",
     "total_ms": "first send to final result, retries and waits included",
 }

@@ -249,24 +249,38 @@ class Sharing:
     def _follower(
         self, source: dict[str, Any], rid: Any, now: datetime, *, reused: bool
     ) -> dict[str, Any]:
-        """A follower's row: the source's answer, nothing paid, `shared_from` the source (its
-        id, prefixed by its partition key when it is another partition's row). `reused`: the
-        source was stored before this run."""
-        origin = id_text(source["id"])
-        pk = source.get("partition_key")
-        row = {
-            **source,
-            "id": rid,
-            "partition_key": self.partition_key,
-            "prompt_tokens": None,
-            "completion_tokens": None,
-            "cost_usd": 0.0,
-            "latency_ms": None,
-            "total_ms": None,
-            "attempts": 0,
-            "shared_from": origin if pk == self.partition_key else f"{pk}/{origin}",
-            "completed_at": now,
-        }
-        failed = None if row["status"] == "ok" else (row.get("error_class") or "unknown")
-        self.stats.add_shared(failed, reused, source.get("cost_usd"))
-        return row
+        return follower_row(
+            source, rid, partition_key=self.partition_key, now=now, stats=self.stats, reused=reused
+        )
+
+
+def follower_row(
+    source: dict[str, Any],
+    rid: Any,
+    *,
+    partition_key: str,
+    now: datetime,
+    stats: RunStats,
+    reused: bool,
+) -> dict[str, Any]:
+    """The row of `rid`, which takes `source`'s answer, counted in `stats`: nothing paid, no
+    tokens, `shared_from` the source (its id, prefixed by its partition key when it is another
+    partition's row). `reused`: the source was stored before this run."""
+    origin = id_text(source["id"])
+    pk = source.get("partition_key")
+    row = {
+        **source,
+        "id": rid,
+        "partition_key": partition_key,
+        "prompt_tokens": None,
+        "completion_tokens": None,
+        "cost_usd": 0.0,
+        "latency_ms": None,
+        "total_ms": None,
+        "attempts": 0,
+        "shared_from": origin if pk == partition_key else f"{pk}/{origin}",
+        "completed_at": now,
+    }
+    failed = None if row["status"] == "ok" else (row.get("error_class") or "unknown")
+    stats.add_shared(failed, reused, source.get("cost_usd"))
+    return row

@@ -19,6 +19,14 @@ RETRY_JITTER = 0.25
 MAX_SHARED_PAUSE_S = 60.0
 MAX_SERVER_HINT_S = 600.0
 
+# Flex processing (engine/flex.py; https://developers.openai.com/api/docs/guides/flex-processing):
+# "increase default timeout to 15 minutes" (flex answers more slowly), and a capacity shortage
+# (429 Resource Unavailable) retried with exponential backoff from FLEX_RETRY_DELAY_S doubling to
+# FLEX_MAX_RETRY_DELAY_S: capacity comes back over minutes, not within a rate limit's second.
+FLEX_REQUEST_TIMEOUT_S = 900.0
+FLEX_RETRY_DELAY_S = 1.0
+FLEX_MAX_RETRY_DELAY_S = 60.0
+
 # Breaker: the same non-transient error (same status, code and message shape) on this many
 # consecutive distinct rows stops sending; so do typed answers that break the same rule of the
 # schema (same field, same kind of bound) after their repair on this many consecutive rows (a

@@ -13,13 +13,13 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from . import _constants as C
 from . import errors as E
 from . import structured as S
 from .breaker import Breaker
+from .flex import FlexTier
 from .gate import ConcurrencyGate, held
 from .limiter import Grant, RedisLimiter
 from .outcome import TRUNCATED, classify_answer, tools_requested
@@ -35,6 +35,7 @@ from .requests import (
     has_user_prompt,
     non_finite,
 )
+from .requests import Attempts as _Attempts
 from .runner import run_concurrently
 from .tokens import (
     count_prompt_tokens,
@@ -50,31 +51,6 @@ __all__ = ["ChatRequest", "ChatResult", "Engine", "EngineSettings", "backoff_del
 log = logging.getLogger(__name__)
 
 _FREE = Grant(0.0)  # no limiter: every request goes at once
-
-
-@dataclass(slots=True)
-class _Attempts:
-    """What one request's attempts have accumulated."""
-
-    estimate: int
-    attempt: int = 0
-    waited: float = 0.0
-    n429: int = 0
-    first_send: float | None = None
-    last: E.ProviderError | None = None
-
-    def failed(self, req: ChatRequest, error_class: str, message: str) -> ChatResult:
-        total = (time.perf_counter() - self.first_send) * 1000 if self.first_send else None
-        return failed(
-            req,
-            error_class,
-            message,
-            attempts=self.attempt,
-            total_ms=total,
-            estimated_tokens=self.estimate,
-            rate_limit_wait_s=self.waited,
-            http_429=self.n429,
-        )
 
 
 class Engine:
@@ -100,6 +76,7 @@ class Engine:
             retry_budget_base=settings.retry_budget_base,
             retry_budget_ratio=settings.retry_budget_ratio,
         )
+        self.flex = FlexTier(settings, self._send, self.request_body)  # service_tier flex
         self.token_param = settings.token_param or token_param_for(settings.model)
         self.token_param_switched = False  # the provider rejected the first choice (recorded)
         self.warned_usage_estimated = False
@@ -228,7 +205,7 @@ class Engine:
         if deadline is None and self.s.deadline_s is not None:
             deadline = time.monotonic() + self.s.deadline_s
         self.breaker.row_started()
-        st = _Attempts(estimate=estimate)
+        st = _Attempts(estimate=estimate, deadline=deadline)
         signatures: set[str] = set()
         empty_retried = False
         while True:
@@ -318,6 +295,8 @@ class Engine:
             # Typed outputs: a provider that refuses the JSON form refuses every row alike.
             self.breaker.fatal_error(exc)
             return st.failed(req, E.STRUCTURED_UNSUPPORTED, S.rejection_message(exc))
+        if exc.error_class == E.FLEX_UNAVAILABLE:  # flex short of capacity: not a rate signal
+            return await self.flex.shortage(req, exc, st)
         rate_limited = exc.status == 429 and exc.error_class not in E.NOT_RATE_SIGNALS
         if rate_limited:
             st.n429 += 1
@@ -376,6 +355,7 @@ class Engine:
             tokens_estimated=estimated,
             cached_tokens=resp.usage.cached_tokens if resp.usage else None,
             reasoning_tokens=resp.usage.reasoning_tokens if resp.usage else None,
+            service_tier=resp.service_tier,
         )
 
     def _usage_or_estimate(

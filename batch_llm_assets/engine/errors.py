@@ -34,6 +34,8 @@ STRUCTURED_UNSUPPORTED = "structured_output_unsupported"  # the provider refused
 INSUFFICIENT_QUOTA = "insufficient_quota"
 REQUEST_TOO_LARGE = "request_too_large"
 RETRY_BUDGET = "retry_budget_exhausted"
+# Flex processing short of capacity: OpenAI's "429 Resource Unavailable" (engine/flex.py).
+FLEX_UNAVAILABLE = "resource_unavailable"
 
 _STATUS_CLASSES = {
     400: BAD_REQUEST,
@@ -50,7 +52,7 @@ FATAL_CLASSES = frozenset({AUTHENTICATION, PERMISSION_DENIED, NOT_FOUND, INSUFFI
 # Fatal at the first occurrence: the key is out of credit, nothing further can succeed.
 IMMEDIATELY_FATAL = frozenset({INSUFFICIENT_QUOTA})
 # Errors that say nothing about the shared rate: they never slow the limiter down.
-NOT_RATE_SIGNALS = frozenset({INSUFFICIENT_QUOTA, REQUEST_TOO_LARGE})
+NOT_RATE_SIGNALS = frozenset({INSUFFICIENT_QUOTA, REQUEST_TOO_LARGE, FLEX_UNAVAILABLE})
 _BILLING_CODES = frozenset(
     {"insufficient_quota", "billing_hard_limit_reached", "billing_not_active", "quota_exceeded"}
 )
@@ -151,6 +153,9 @@ def classify_status(
         return REQUEST_TOO_LARGE, False
     if status == 429 and ("exceeded your current quota" in lowered or "billing" in lowered):
         return INSUFFICIENT_QUOTA, False
+    if status == 429 and (code == FLEX_UNAVAILABLE or "resource unavailable" in lowered):
+        # Flex short of capacity: not a rate limit, and worth retrying (engine/flex.py).
+        return FLEX_UNAVAILABLE, True
     error_class = _STATUS_CLASSES.get(status) or (SERVER_ERROR if status >= 500 else BAD_REQUEST)
     hint = headers.get("x-should-retry")
     if hint in ("true", "false"):

@@ -10,6 +10,12 @@ endpoint back in, for two endpoints that serve different models under one name.
 Numbers are normalised (`1` and `1.0` are the same temperature) and keys sorted, so only a
 change that reaches the provider changes the identity.
 
+`service_tier: "flex"` is left out (`_tier_neutral`): flex processing is the same model's
+answer at another price (https://developers.openai.com/api/docs/guides/flex-processing), so a
+row answered at either tier is done for both (switching an asset to flex sends nothing again,
+and a flex row answered at the standard tier by flex_fallback keeps its identity). Other tiers
+stay in, as identities stored before flex was supported include them.
+
 `legacy_scope` is the identity of the earlier definition (the body and the endpoint URL): rows
 stored under it are still recognised as done, so an upgrade sends nothing again.
 """
@@ -92,9 +98,15 @@ _DUMPS = json.JSONEncoder(
 _HOLE = "\ue000messages\ue000"  # a private-use placeholder no body contains
 
 
+def _tier_neutral(body: dict[str, Any]) -> dict[str, Any]:
+    if body.get("service_tier") != "flex":
+        return body
+    return {k: v for k, v in body.items() if k != "service_tier"}
+
+
 def request_identity(body: dict[str, Any], scope: dict[str, Any]) -> str:
     """sha256 (hex) of the request body and its `endpoint_scope` (or `legacy_scope`)."""
-    doc = {**scope, "body": _normalise(body)}
+    doc = {**scope, "body": _normalise(_tier_neutral(body))}
     return hashlib.sha256(_DUMPS(doc).encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -104,7 +116,7 @@ class MessagesIdentity:
     JSON of the whole is the JSON of its parts, so the digest is the same."""
 
     def __init__(self, body: dict[str, Any], scope: dict[str, Any]):
-        doc = {**scope, "body": _normalise({**body, "messages": _HOLE})}
+        doc = {**scope, "body": _normalise({**_tier_neutral(body), "messages": _HOLE})}
         text = _DUMPS(doc)
         hole = _DUMPS(_HOLE)
         if text.count(hole) != 1:

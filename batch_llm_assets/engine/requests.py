@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _constants as C
 from .adaptive import check_concurrency
+from .errors import ProviderError
 
 
 @dataclass(slots=True)
@@ -57,10 +59,37 @@ class ChatResult:
     tokens_estimated: bool = False  # no usage in the answer: the tokens are the estimate
     cached_tokens: int | None = None  # prompt tokens the provider billed at its cached rate
     reasoning_tokens: int | None = None
+    service_tier: str | None = None  # the tier the answer says served it (flex, default, ...)
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+@dataclass(slots=True)
+class Attempts:
+    """What one request's attempts have accumulated (the engine's, per request)."""
+
+    estimate: int
+    deadline: float | None = None  # time.monotonic() after which it is not sent again
+    attempt: int = 0
+    waited: float = 0.0
+    n429: int = 0
+    first_send: float | None = None
+    last: ProviderError | None = None
+
+    def failed(self, req: ChatRequest, error_class: str, message: str) -> ChatResult:
+        total = (time.perf_counter() - self.first_send) * 1000 if self.first_send else None
+        return failed(
+            req,
+            error_class,
+            message,
+            attempts=self.attempt,
+            total_ms=total,
+            estimated_tokens=self.estimate,
+            rate_limit_wait_s=self.waited,
+            http_429=self.n429,
+        )
 
 
 @dataclass(slots=True)
@@ -84,16 +113,27 @@ class EngineSettings:
     breaker_threshold: int = C.BREAKER_THRESHOLD
     retry_budget_base: int = C.RETRY_BUDGET_BASE
     retry_budget_ratio: float = C.RETRY_BUDGET_RATIO
+    # "standard": a flex request still short of capacity after max_attempts is sent at the
+    # standard tier (engine/flex.py); None: it fails resource_unavailable.
+    flex_fallback: str | None = None
 
     def __post_init__(self) -> None:
         check_concurrency(self.max_concurrency)  # 0, negative, NaN: a clear error, not 1 worker
 
 
-def backoff_delay(attempt: int, hint_s: float | None, *, exact: bool = True) -> float:
-    """The server's hint when it gives a sane one, else capped exponential backoff with jitter.
+def backoff_delay(
+    attempt: int,
+    hint_s: float | None,
+    *,
+    exact: bool = True,
+    first_s: float = C.INITIAL_RETRY_DELAY_S,
+    max_s: float = C.MAX_RETRY_DELAY_S,
+) -> float:
+    """The server's hint when it gives a sane one, else exponential backoff from `first_s`,
+    capped at `max_s`, with jitter.
 
     A whole-second hint (not `exact`) is the real wait rounded up: only an upper bound."""
-    delay = min(C.INITIAL_RETRY_DELAY_S * 2 ** (attempt - 1), C.MAX_RETRY_DELAY_S)
+    delay = min(first_s * 2 ** (attempt - 1), max_s)
     delay *= 1 - C.RETRY_JITTER * random.random()
     if hint_s is not None and 0 <= hint_s <= C.MAX_SERVER_HINT_S:
         return hint_s if exact else min(hint_s, delay)

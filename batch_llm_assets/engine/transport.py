@@ -41,6 +41,7 @@ class ChatResponse:
     model: str | None = None  # the model that answered, as the provider names it
     cached_tokens: int | None = None  # prompt tokens served from the provider's cache
     usage: Usage | None = None  # None: the provider sent no readable usage block
+    service_tier: str | None = None  # the tier that served it (flex, default), when named
 
 
 class ChatTransport(Protocol):
@@ -112,11 +113,18 @@ def parse_completion(payload: Any, headers: dict[str, str]) -> ChatResponse:
             model=payload.get("model") if isinstance(payload.get("model"), str) else None,
             cached_tokens=usage.cached_tokens if usage else None,
             usage=usage,
+            service_tier=_tier(payload.get("service_tier")),
         )
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ProviderError(
             MALFORMED_RESPONSE, f"unexpected response body: {exc!r}", status=200, retryable=True
         ) from exc
+
+
+def _tier(value: Any) -> str | None:
+    """The answer's `service_tier`: a short ASCII name (a row column, and what prices it)."""
+    ok = isinstance(value, str) and value.isascii() and 0 < len(value) <= 32
+    return value if ok else None
 
 
 def error_from_body(status: int, text: str, headers: dict[str, str], secret: str) -> ProviderError:

@@ -12,6 +12,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from ..engine import _constants as C
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
+from ..engine.flex import FALLBACKS, asks_flex
 from ..engine.profiles import Profile, profile_for
 from ..engine.server_probe import ServerInfo
 from ..engine.structured import provider_kind
@@ -87,7 +88,17 @@ class LLMResource(dg.ConfigurableResource):
         default=None,
         gt=0,
         description="Timeout of one HTTP attempt. None: the provider profile's (60 s hosted, "
-        "up to 600 s for a local server).",
+        "up to 600 s for a local server); 900 s for requests with service_tier 'flex' in "
+        "params (OpenAI: flex answers more slowly).",
+    )
+    flex_fallback: str | None = Field(
+        default=None,
+        description="For requests with service_tier 'flex' in params (OpenAI's flex "
+        "processing, at Batch prices): 'standard' sends a row still refused for lack of flex "
+        "capacity (429 Resource Unavailable) after max_attempts once more at the standard tier "
+        "(service_tier 'auto'), priced at the standard rate; the row's service_tier column says "
+        "which tier answered. None: such a row fails resource_unavailable (a rerun sends it "
+        "again).",
     )
     max_attempts: int = Field(
         default=C.DEFAULT_MAX_ATTEMPTS, ge=1, description="Attempts per request, first included."
@@ -191,6 +202,13 @@ class LLMResource(dg.ConfigurableResource):
             raise ValueError(f"base_url must start with http:// or https://, got {v!r}")
         return v
 
+    @field_validator("flex_fallback")
+    @classmethod
+    def _check_flex_fallback(cls, v: str | None) -> str | None:
+        if v not in FALLBACKS:
+            raise ValueError(f"flex_fallback must be 'standard' or None, got {str(v)[:40]!r}")
+        return v
+
     @field_validator("provider")
     @classmethod
     def _check_provider(cls, v: str | None) -> str | None:
@@ -281,11 +299,12 @@ class LLMResource(dg.ConfigurableResource):
         self, *, model: str | None = None, params: dict[str, Any] | None = None
     ) -> EngineSettings:
         model = model or self.model
+        params = {**self.params, **(params or {})}
         return EngineSettings(
             model=model,
-            params={**self.params, **(params or {})},
+            params=params,
             max_concurrency=self.concurrency,
-            request_timeout_s=self.request_timeout_s or self.profile.request_timeout_s,
+            request_timeout_s=self.timeout_for(params),
             max_attempts=self.max_attempts,
             deadline_s=self.deadline_s,
             default_max_tokens=self.default_max_tokens,
@@ -295,7 +314,15 @@ class LLMResource(dg.ConfigurableResource):
             secret=self.api_key,
             estimate_margin=self.estimate_margin,
             breaker_threshold=self.breaker_threshold,
+            flex_fallback=self.flex_fallback,
         )
+
+    def timeout_for(self, params: dict[str, Any]) -> float:
+        """request_timeout_s, else OpenAI's advice for flex requests (engine/flex.py), else the
+        provider profile's."""
+        if self.request_timeout_s:
+            return self.request_timeout_s
+        return C.FLEX_REQUEST_TIMEOUT_S if asks_flex(params) else self.profile.request_timeout_s
 
     def engine(
         self, *, model: str | None = None, params: dict[str, Any] | None = None

@@ -39,7 +39,7 @@ async def know_server(llm: LLMResource, settings: EngineSettings) -> None:
     if not llm.context_window and info.context_window:
         settings.context_window = info.context_window
     settings.max_concurrency = llm.concurrency
-    settings.request_timeout_s = llm.request_timeout_s or llm.profile.request_timeout_s
+    settings.request_timeout_s = llm.timeout_for(settings.params)
 
 
 @contextlib.asynccontextmanager

@@ -1,7 +1,7 @@
 """The chat route: POST /v1/chat/completions (and Azure's deployment form).
 
-In order: the key, the body, the provider's refusals (bad parameters, quota, unknown model,
-context length), then the limits: the request is admitted when both the request and the token
+In order: the key, the body, the provider's refusals (bad parameters, quota, unknown model, a
+flex capacity shortage: tiers.py, context length), then the limits: the request is admitted when both the request and the token
 limit admit it now (tokens: the prompt as the provider counts it plus max_tokens, as OpenAI and
 Azure OpenAI count at admission), else a 429 with OpenAI's body and headers. An admitted request
 is answered after its latency (queued for a decode slot first: slots.py), or gets the fault
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from . import kinds, structured
+from . import kinds, structured, tiers
 from .answers import draw_shape, rejection, shaped_choice
 from .content import answer, fit, structured_answer
 from .counting import messages_digest, prompt_tokens
@@ -182,7 +182,9 @@ async def chat(sim: Simulator, request: web.Request) -> web.StreamResponse:
     body, messages, model, budget = parsed
     sim.stats.heard(messages)
     cfg = sim.config
-    no = refused(sim, request, body, model)
+    no = refused(sim, request, body, model) or tiers.refusal(
+        sim, body, model, messages_digest(messages)
+    )
     if no is not None:
         return no
     prompt = prompt_tokens(
@@ -249,6 +251,7 @@ async def _answer(sim, body, messages, model, max_tokens, prompt, answer_headers
             "object": "chat.completion",
             "created": int(time.time()),
             "model": kinds.answer_model(cfg, model),
+            **tiers.served(body),
             "choices": choices,
             **usage(cfg.usage_shape, prompt, completion),
         },

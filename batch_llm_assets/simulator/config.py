@@ -97,6 +97,9 @@ class SimConfig:
     # decode_slowdown per other sequence in the batch.
     decode_slots: int = 0
     decode_slowdown: float = 0.0
+    # Flex processing (simulator/tiers.py): the fraction of requests sent with service_tier
+    # "flex" refused with OpenAI's 429 Resource Unavailable (1.0: a shortage that never ends).
+    flex_unavailable: float = 0.0
 
 
 _CHOICES = {
@@ -135,6 +138,9 @@ def check(config: SimConfig) -> SimConfig:
     slowdown = config.decode_slowdown
     if not (isinstance(slowdown, int | float) and 0 <= slowdown <= 1):  # NaN fails too
         raise ValueError(f"decode_slowdown must be a fraction in [0, 1], got {slowdown!r}")
+    flex = config.flex_unavailable
+    if not (isinstance(flex, int | float) and not isinstance(flex, bool) and 0 <= flex <= 1):
+        raise ValueError(f"flex_unavailable must be a fraction in [0, 1], got {flex!r}")
     noise = config.count_noise
     if not (isinstance(noise, int | float) and 0 <= noise < 1):
         raise ValueError(f"count_noise must be a fraction in [0, 1), got {noise!r}")

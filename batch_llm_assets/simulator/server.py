@@ -5,7 +5,7 @@ says what it admitted, per second and (with ?log=1) per request, and how many it
 Modules by role: config.py (the settings), limits.py (enforcement), counting.py (how prompts
 are counted), chat.py (the chat route), content.py and answers.py (what it answers),
 responses.py (errors and headers), stats.py (GET /stats), slots.py (a self-hosted server's
-decode slots and queue), batch.py (the Batch API).
+decode slots and queue), tiers.py (service tiers: flex), batch.py (the Batch API).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ class Stats:
         self.counts: Counter[str] = Counter()
         self.per_second: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
         self.prompts: Counter[str] = Counter()
+        self.flex_asks: Counter[str] = Counter()  # prompt digest -> requests at flex (tiers.py)
         self.admissions: deque[tuple[float, int]] = deque(maxlen=ADMISSION_LOG_MAX)
         self.started_at = time.time()  # when the limits were last set (windows start here)
         self.first_received_at: float | None = None

@@ -37,6 +37,7 @@ RETRYABLE_CLASSES = frozenset(
         E.MALFORMED_RESPONSE,
         E.CONFLICT,
         E.LIMITER_UNAVAILABLE,
+        E.FLEX_UNAVAILABLE,
     }
 )
 # Engine error classes that say the request itself is wrong: llm-d's INVALID_REQUEST.
