@@ -307,9 +307,14 @@ def materialize_batch_partition(
         if checks
         else []
     )
-    if not stats.batches_open:  # wait=False: rows still queued are not failures yet
+    stop = stats.budget_stop  # a spend cap fails the run, whatever is still open
+    if not stats.batches_open or stop:  # wait=False: rows still queued are not failures yet
         why = failure_reason(
-            summary, stats.rows_in, max_failed_fraction=max_failed_fraction, aborted=stats.aborted
+            summary,
+            stats.rows_in,
+            max_failed_fraction=max_failed_fraction,
+            aborted=stats.aborted,
+            budget=stop,
         )
         if why is not None:  # a failed partition is checked too (its evaluations, then fail)
             key = partition_key if context.has_partition_key else None
@@ -321,6 +326,7 @@ def materialize_batch_partition(
                 max_failed_fraction=max_failed_fraction,
                 aborted=stats.aborted,
                 metadata=metadata,
+                budget=stop,
             )
     return dg.MaterializeResult(metadata=metadata, check_results=results)
 

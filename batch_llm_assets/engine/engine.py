@@ -13,13 +13,13 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from . import _constants as C
 from . import errors as E
 from . import structured as S
 from .breaker import Breaker
+from .budget import Refused, SpendCap
 from .gate import ConcurrencyGate, held
 from .limiter import Grant, RedisLimiter
 from .outcome import TRUNCATED, classify_answer, tools_requested
@@ -27,6 +27,7 @@ from .pacing import Pacer
 from .profiles import token_param_for
 from .requests import (
     NON_FINITE,
+    Attempts,
     ChatRequest,
     ChatResult,
     EngineSettings,
@@ -52,31 +53,6 @@ log = logging.getLogger(__name__)
 _FREE = Grant(0.0)  # no limiter: every request goes at once
 
 
-@dataclass(slots=True)
-class _Attempts:
-    """What one request's attempts have accumulated."""
-
-    estimate: int
-    attempt: int = 0
-    waited: float = 0.0
-    n429: int = 0
-    first_send: float | None = None
-    last: E.ProviderError | None = None
-
-    def failed(self, req: ChatRequest, error_class: str, message: str) -> ChatResult:
-        total = (time.perf_counter() - self.first_send) * 1000 if self.first_send else None
-        return failed(
-            req,
-            error_class,
-            message,
-            attempts=self.attempt,
-            total_ms=total,
-            estimated_tokens=self.estimate,
-            rate_limit_wait_s=self.waited,
-            http_429=self.n429,
-        )
-
-
 class Engine:
     """Runs requests concurrently through one transport and (optionally) one limiter."""
 
@@ -94,6 +70,7 @@ class Engine:
         self.limiter = limiter
         self.gate = gate  # a self-hosted server's adaptive in-flight limit (gate.py), else fixed
         self.pacer = Pacer(limiter) if limiter is not None else None
+        self.budget: SpendCap | None = None  # spend caps (budget.py), set by whoever prices
         self.breaker = Breaker(
             threshold=settings.breaker_threshold,
             fatal_threshold=settings.fatal_error_threshold,
@@ -228,7 +205,7 @@ class Engine:
         if deadline is None and self.s.deadline_s is not None:
             deadline = time.monotonic() + self.s.deadline_s
         self.breaker.row_started()
-        st = _Attempts(estimate=estimate)
+        st = Attempts(estimate=estimate)
         signatures: set[str] = set()
         empty_retried = False
         while True:
@@ -255,13 +232,13 @@ class Engine:
                 continue
             return self._result(req, resp, verdict, st, started, max_tokens)
 
-    async def _attempt(self, req, body, max_tokens, deadline, st: _Attempts):
+    async def _attempt(self, req, body, max_tokens, deadline, st: Attempts):
         """Wait for a slot and send once: (answer or ProviderError, grant, start time), or the
         row's final result when it cannot be sent; holding a place in the gate, if any."""
         async with held(self.gate):
             return await self._attempt_once(req, body, max_tokens, deadline, st)
 
-    async def _attempt_once(self, req, body, max_tokens, deadline, st: _Attempts):
+    async def _attempt_once(self, req, body, max_tokens, deadline, st: Attempts):
         reserve = st.estimate
         grant = _FREE
         if self.pacer is not None:
@@ -281,12 +258,17 @@ class Engine:
             if self.breaker.reason:
                 return self._stopped(req, st)
             return self._deadline(req, st)
-        st.attempt += 1
-        self._set_token_param(body, max_tokens)
         t = self.s.request_timeout_s
         timeout = self.gate.timeout(t) if self.gate else t
         if deadline is not None:
             timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+        spend = await self.budget.hold(st.estimate, max_tokens, timeout) if self.budget else None
+        if isinstance(spend, Refused):
+            if self.pacer is not None:
+                await self.pacer.give_back(grant)
+            return st.failed(req, spend.error_class, spend.message)
+        st.attempt += 1
+        self._set_token_param(body, max_tokens)
         started = time.perf_counter()
         st.first_send = st.first_send or started
         mark = self.pacer.sent(st.estimate, max_tokens) if self.pacer is not None else None
@@ -294,6 +276,8 @@ class Engine:
             resp = await self.transport.chat(body, timeout)
         except E.ProviderError as exc:
             st.last = resp = exc
+        if spend is not None:
+            await self.budget.settle(spend, resp)
         if self.gate is not None:
             self.gate.observe(started, resp)
         if isinstance(resp, E.ProviderError):
@@ -311,7 +295,7 @@ class Engine:
         return resp, grant, started
 
     async def _on_error(
-        self, req: ChatRequest, exc: E.ProviderError, grant: Grant, st: _Attempts, sigs: set[str]
+        self, req: ChatRequest, exc: E.ProviderError, grant: Grant, st: Attempts, sigs: set[str]
     ) -> float | ChatResult:
         """Count the error: the delay before the next attempt, or the row's failed result."""
         if req.validate is not None and S.rejects_structured(exc):
@@ -336,7 +320,7 @@ class Engine:
             )
         return backoff_delay(st.attempt, exc.retry_after_s, exact=exc.hint_exact)
 
-    def _stopped(self, req: ChatRequest, st: _Attempts) -> ChatResult:
+    def _stopped(self, req: ChatRequest, st: Attempts) -> ChatResult:
         """The row's result when the breaker stopped the run. A row that already had a real
         error keeps it (class and message): "aborted" would hide why it failed. The others say
         why the run stopped."""
@@ -345,13 +329,13 @@ class Engine:
             return st.failed(req, st.last.error_class, f"{st.last.message} (not retried: {why})")
         return st.failed(req, E.ABORTED, f"aborted: {why}")
 
-    def _deadline(self, req: ChatRequest, st: _Attempts) -> ChatResult:
+    def _deadline(self, req: ChatRequest, st: Attempts) -> ChatResult:
         why = f" (last error: {st.last.message})" if st.last else ""
         return st.failed(
             req, E.DEADLINE_EXCEEDED, f"deadline passed before the request could be sent{why}"
         )
 
-    def _result(self, req, resp: ChatResponse, verdict, st: _Attempts, started, max_tokens):
+    def _result(self, req, resp: ChatResponse, verdict, st: Attempts, started, max_tokens):
         ended = time.perf_counter()
         prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
             st.estimate, max_tokens, resp

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _constants as C
 from .adaptive import check_concurrency
+from .errors import ProviderError
 
 
 @dataclass(slots=True)
@@ -133,3 +135,28 @@ def non_finite(value: Any) -> bool:
 
 def failed(req: ChatRequest, error_class: str, message: str, **kw: Any) -> ChatResult:
     return ChatResult(req.id, "failed", error_class=error_class, error_message=message, **kw)
+
+
+@dataclass(slots=True)
+class Attempts:
+    """What one request's attempts have accumulated."""
+
+    estimate: int
+    attempt: int = 0
+    waited: float = 0.0
+    n429: int = 0
+    first_send: float | None = None
+    last: ProviderError | None = None
+
+    def failed(self, req: ChatRequest, error_class: str, message: str) -> ChatResult:
+        total = (time.perf_counter() - self.first_send) * 1000 if self.first_send else None
+        return failed(
+            req,
+            error_class,
+            message,
+            attempts=self.attempt,
+            total_ms=total,
+            estimated_tokens=self.estimate,
+            rate_limit_wait_s=self.waited,
+            http_429=self.n429,
+        )
