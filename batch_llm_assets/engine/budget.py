@@ -234,23 +234,17 @@ class SpendCap:
         self.why: str | None = None  # why sending stopped, once it did
         self._changed = asyncio.Event()  # replaced by a new one whenever a hold settles
 
-    async def open(self) -> None:
+    async def open(self) -> SpendCap:
         """Connect to the day's Redis (and authenticate), so a wrong redis_url fails at once."""
         for ledger in self.ledgers:
             if isinstance(ledger, DailyLedger):
                 await ledger.open()
+        return self
 
     async def aclose(self) -> None:
         for ledger in self.ledgers:
             if isinstance(ledger, DailyLedger):
                 await ledger.aclose()
-
-    async def __aenter__(self) -> SpendCap:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def worst(self, prompt: int, completion: int) -> int:
         """The most `prompt` tokens in and `completion` tokens out can cost (1e-9 USD)."""

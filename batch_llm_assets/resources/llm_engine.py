@@ -118,9 +118,7 @@ async def open_engine(
         if limiter is not None:
             await limiter.prepare()
         engine = Engine(settings, transport, limiter, gate)
-        if cap is not None:
-            await cap.open()
-            engine.budget = cap
+        engine.budget = await cap.open() if cap is not None else None
         yield engine
     finally:
         if cap is not None:
