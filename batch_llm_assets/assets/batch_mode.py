@@ -26,6 +26,7 @@ from ..engine import errors as E
 from ..engine.batch_api import TERMINAL, BatchAPIError, BatchClient, BatchLine, split_files
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, WarehouseSession
+from .batch_budget import BatchBudget
 from .batch_pending import PendingLines
 from .batch_results import (
     UNREACHED,
@@ -82,12 +83,13 @@ class BatchPartitionRun:
         self._provider_full = False
         self._rescan = True
         self._queue: list[BatchLine] = []
+        self.budget = BatchBudget(self)  # spend caps (batch_budget.py)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> BatchStats:
         started = time.monotonic()
         self.preflight()
-        asyncio.run(self._run())
+        asyncio.run(self.budget.around(self._run()))
         self.stats.wall_s = time.monotonic() - started
         return self.stats
 
@@ -157,6 +159,7 @@ class BatchPartitionRun:
                     continue
             else:
                 self.log.info(f"partition {self.partition_key}: adopted batch {batch['id']}")
+            await self.budget.submitted(record)
             await self._put(
                 record, batch_id=batch["id"], state="submitted", provider_status=batch["status"]
             )
@@ -210,9 +213,11 @@ class BatchPartitionRun:
                         f"(limit {limit})"
                     )
                     break
-            await self._submit_file(group, tokens)
+            if not (group := await self.budget.fit(group)):  # the caps' room, held
+                break
+            await self._submit_file(group, sum(line.tokens for line, _ in group))
             sent += len(group)
-        self._queue = self._queue[sent:]
+        self._queue = await self.budget.left_over(self._queue[sent:], self.lines)
         self.stats.queued_rows = len(self._queue)
 
     def _enqueued_tokens(self) -> int:
@@ -240,6 +245,7 @@ class BatchPartitionRun:
         }
         await self._put(record)  # durable before the provider hears of the batch
         batch = await self.client.create(file_id, self._metadata(record))
+        await self.budget.submitted(record)
         await self._put(
             record, batch_id=batch["id"], state="submitted", provider_status=batch["status"]
         )
@@ -289,6 +295,7 @@ class BatchPartitionRun:
             chunk = rows[i : i + self.spec.chunk_rows]
             await asyncio.to_thread(self.db.write_results, self.spec.output, chunk)
         self.finalized.update(r["id"] for r in rows)
+        await self.budget.collected(record, rows)
         await self._put(record, state="collected", provider_status=status)
         if batch["id"] not in self.stats.batch_ids:
             self.stats.batch_ids.append(batch["id"])

@@ -333,22 +333,31 @@ def materialize_batch_partition(
         if checks
         else []
     )
-    if not stats.batches_open:  # wait=False: rows still queued are not failures yet
-        why = failure_reason(
-            summary, stats.rows_in, max_failed_fraction=max_failed_fraction, aborted=stats.aborted
-        )
-        if why is not None:  # a failed partition is checked too (its evaluations, then fail)
-            key = partition_key if context.has_partition_key else None
-            for event in PartitionOutcome(key, metadata, results, why).events(context.asset_key):
-                context.log_event(event)
-            judge_partition(
-                summary,
-                stats.rows_in,
-                max_failed_fraction=max_failed_fraction,
-                aborted=stats.aborted,
-                metadata=metadata,
-            )
+    _judge(context, partition_key, summary, stats, metadata, results, max_failed_fraction)
     return dg.MaterializeResult(metadata=metadata, check_results=results)
+
+
+def _judge(
+    context: dg.AssetExecutionContext,
+    partition_key: str,
+    summary: dict[str, Any],
+    stats: BatchStats,
+    metadata: dict[str, Any],
+    results: list[dg.AssetCheckResult],
+    max_failed_fraction: float,
+) -> None:
+    """Fail a bad partition, after recording its check evaluations. With batches still open
+    (wait=False) rows still queued are not failures yet; a spend cap fails it all the same."""
+    stop = stats.budget_stop
+    if stats.batches_open and not stop:
+        return
+    kw = {"max_failed_fraction": max_failed_fraction, "aborted": stats.aborted, "budget": stop}
+    why = failure_reason(summary, stats.rows_in, **kw)
+    if why is not None:  # a failed partition is checked too (its evaluations, then fail)
+        key = partition_key if context.has_partition_key else None
+        for event in PartitionOutcome(key, metadata, results, why).events(context.asset_key):
+            context.log_event(event)
+        judge_partition(summary, stats.rows_in, metadata=metadata, **kw)
 
 
 def batch_metadata(stats: BatchStats, settings: BatchSettings) -> dict[str, Any]:

@@ -104,20 +104,27 @@ def check_results(
 
 
 def failure_reason(
-    summary: dict[str, Any], rows_in: int, *, max_failed_fraction: float, aborted: str | None
+    summary: dict[str, Any],
+    rows_in: int,
+    *,
+    max_failed_fraction: float,
+    aborted: str | None,
+    budget: str | None = None,
 ) -> str | None:
     """Why the run fails, or None: too much of the partition (as the output table holds it) has
-    failed. A breaker trip (`aborted`) is named first; on its own it does not fail a partition
-    that stays under the threshold, e.g. a rerun of its few failing rows that trip the breaker
-    by failing alike again."""
+    failed, or a spend cap stopped the sending (`budget`: always a failure, so that nobody
+    takes a capped partition for a finished one). A breaker trip (`aborted`) is named first; on
+    its own it does not fail a partition that stays under the threshold, e.g. a rerun of its few
+    failing rows that trip the breaker by failing alike again."""
     fraction = failed_fraction(summary, rows_in)
+    stopped = f"sending stopped: {budget}" if budget else None
     if fraction > max_failed_fraction:
         why = (
             f"{summary['rows_failed']} of the partition's {rows_in} rows have failed "
             f"({fraction:.1%} > {max_failed_fraction:.1%})"
         )
-        return f"{aborted}; {why}" if aborted else why
-    return None
+        return "; ".join(x for x in (stopped or aborted, why) if x)
+    return stopped
 
 
 def judge_partition(
@@ -127,9 +134,12 @@ def judge_partition(
     max_failed_fraction: float,
     aborted: str | None,
     metadata: dict[str, Any],
+    budget: str | None = None,
 ) -> None:
     """Fail the materialisation (after every row was written) when the partition is not good."""
-    why = failure_reason(summary, rows_in, max_failed_fraction=max_failed_fraction, aborted=aborted)
+    why = failure_reason(
+        summary, rows_in, max_failed_fraction=max_failed_fraction, aborted=aborted, budget=budget
+    )
     if why is None:
         return
     top = ", ".join(f"{k} ({n})" for k, n in summary["errors"].items()) or "none"

@@ -17,6 +17,7 @@ from typing import Any
 import dagster as dg
 
 from ..engine import _constants as C
+from ..engine.budget import SpendReport
 from ..engine.engine import ChatResult
 from ..warehouses.base import failed_rows_sql
 from .checks import failed_fraction, failed_rows_table
@@ -44,6 +45,12 @@ class RunStats:
     deduplicated: int = 0  # rows that took the answer of another row of this run
     reused: int = 0  # rows that took an answer stored before this run
     cost_saved_usd: float | None = 0.0  # what the shared rows' sources paid for them
+    budget: SpendReport | None = None  # the spend caps' figures, when any is set
+
+    @property
+    def budget_stop(self) -> str | None:
+        """Why a spend cap stopped the sending, if one did."""
+        return self.budget.exhausted if self.budget is not None else None
 
     @property
     def processed(self) -> int:
@@ -205,6 +212,8 @@ def build_metadata(
         md["cost_usd_to_date"] = _float(summary["asset_cost_usd"], 6)
     md["summary"] = dg.MetadataValue.md(_summary_text(stats, summary, rows_in, output))
     md.update(failed_rows_metadata(summary, output, partition_key))
+    for name, value in (stats.budget.figures if stats.budget else {}).items():
+        md[f"run/{name}"] = _float(value, 6)  # each cap, and what was spent against it
     return md
 
 

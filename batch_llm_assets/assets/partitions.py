@@ -17,7 +17,7 @@ from ..engine.errors import BatchLLMError
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, Warehouse, check_table
 from .checks import PartitionOutcome, check_results, failure_reason
-from .metadata import Limits, build_metadata
+from .metadata import Limits, RunStats, build_metadata
 from .pipeline import PartitionRun, RunSpec
 from .pricing import check_flex, pricing_label
 from .spec import TABLE_PER_PARTITION, LlmBatchSpec
@@ -103,7 +103,7 @@ def run_partition(
         metadata["run/stopped_sending"] = dg.MetadataValue.text(stats.aborted)
     if run.served_model and run.served_model != run.model:
         metadata["served_model"] = dg.MetadataValue.text(run.served_model)
-    why = _verdict(summary, stats.rows_in, spec, stats.aborted, partition_key)
+    why = _verdict(summary, stats, spec, partition_key)
     checks = (
         [
             *check_results(summary, stats.rows_in, warn_failed_fraction=spec.warn_failed_fraction),
@@ -115,12 +115,14 @@ def run_partition(
     return PartitionOutcome(key, metadata, checks, why)
 
 
-def _verdict(
-    summary: dict[str, Any], rows_in: int, spec: LlmBatchSpec, aborted: str | None, key: str
-) -> str | None:
-    """Why the partition fails (too many failed rows in the output table), or None."""
+def _verdict(summary: dict[str, Any], stats: RunStats, spec: LlmBatchSpec, key: str) -> str | None:
+    """Why the partition fails (too many failed rows in the output table, a spend cap), or None."""
     why = failure_reason(
-        summary, rows_in, max_failed_fraction=spec.max_failed_fraction, aborted=aborted
+        summary,
+        stats.rows_in,
+        max_failed_fraction=spec.max_failed_fraction,
+        aborted=stats.aborted,
+        budget=stats.budget_stop,
     )
     if why is None:
         return None

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,15 +27,17 @@ from typing import Any
 
 from ..engine import cancel_and_wait
 from ..engine import errors as E
+from ..engine.budget import Cost
 from ..engine.engine import ChatResult
 from ..engine.errors import redact
 from ..engine.identity import identity_scopes
+from ..engine.runner import frozen_heap
 from ..resources.llm import LLMResource
 from ..warehouses.base import OutputTable, SliceFilter, SourceRef, WarehouseSession
 from .journal import ResultJournal, default_journal_dir
 from .lease import DEFAULT_LEASE_TTL_S, PartitionLease, partition_lease
 from .metadata import RunStats, progress_text
-from .pricing import Price, price_for_resource, result_cost, served_model
+from .pricing import Price, cost_usd, price_for_resource, result_cost, served_model
 from .prompt import CompiledPrompt
 from .reader import SliceReader
 from .sharing import Sharing, reuses_answers, stored_answers
@@ -47,6 +49,7 @@ from .writer import (
     storable,
     storable_row,
     write_storable,
+    write_what_arrived,
 )
 
 PROGRESS_EVERY_S = 30.0
@@ -270,6 +273,7 @@ class PartitionRun:
                     last_log = now
                     next_pct = (int(pct) // 10 + 1) * 10
         self.stats.aborted = engine.aborted_reason
+        self.stats.budget = engine.budget.report() if engine.budget is not None else None
         self.stats.rate_limit_wait_s = engine.limiter_wait_s  # wall time, not a sum over rows
 
     async def _run(self) -> None:
@@ -284,8 +288,10 @@ class PartitionRun:
             last_answer_eta=lambda: self._last_answer_eta(started),
         )
         failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-        async with self.llm.engine(model=self.spec.model, params=self.spec.params) as engine:
-            self._priced()
+        spec = self.spec
+        async with self.llm.engine(
+            model=spec.model, params=spec.params, priced=self._priced
+        ) as engine:
             consumer = asyncio.create_task(self._consume(engine, writer, started, failed))
             writing = asyncio.create_task(writer.run())
             try:
@@ -294,7 +300,7 @@ class PartitionRun:
                 if failed.done():
                     # The journal cannot be written: nothing more was sent, the answers of the
                     # requests that were on the wire came in; all are written now.
-                    await _write_what_arrived(writer, writing)
+                    await write_what_arrived(writer, writing)
                     raise failed.result()
                 if writing.done():  # the writer only ends early when a write failed
                     raise self._write_failed(writing.exception())
@@ -307,7 +313,7 @@ class PartitionRun:
                 else:
                     # The reader, the journal or the consumer failed: stop sending, keep what
                     # arrived (written now if the warehouse takes it, else in the journal).
-                    await _write_what_arrived(writer, writing)
+                    await write_what_arrived(writer, writing)
                     consumer.result()
             finally:
                 self.reader.stop()
@@ -318,13 +324,14 @@ class PartitionRun:
         self.journal.clear()  # everything is in the warehouse now
         self.stats.wall_s = time.monotonic() - started
 
-    def _priced(self) -> None:
-        """The run's price, once the engine is open: a self-hosted server is known by then
-        (pricing follows what it is, not its host), and so is the model it serves (a
-        different one was warned about then: the answers naming it are not warned again)."""
+    def _priced(self) -> Cost | None:
+        """The run's price, once the engine knows its server: pricing follows what it is, not
+        its host, and so is the model it serves (a different one was warned about then: the
+        answers naming it are not warned again). The cost of a request, for the spend caps."""
         self.price = price_for_resource(self.llm, self.model, logger=self.log)
         self.stats.cost_usd = 0.0 if self.price is not None else None
         self.served_model = self.llm.served_name(self.model)
+        return functools.partial(cost_usd, self.price) if self.price is not None else None
 
     def _last_answer_eta(self, started: float) -> float | None:
         """Seconds until the last answer at the rate so far (None before there is one)."""
@@ -365,7 +372,7 @@ class PartitionRun:
             self.journal = journal
             try:
                 self.preflight()
-                with _frozen_heap():
+                with frozen_heap():
                     asyncio.run(self._run())
             finally:
                 journal.close()
@@ -381,25 +388,3 @@ async def _until(
             if failed.done():
                 return
             yield req
-
-
-async def _write_what_arrived(writer: ChunkWriter, writing: asyncio.Task[None]) -> None:
-    """A run that is failing: write what arrived if the warehouse takes it within 30 s (else
-    it stays in the journal for the next run)."""
-    await writer.close()
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(30):
-            await asyncio.shield(writing)
-
-
-@contextlib.contextmanager
-def _frozen_heap() -> Iterator[None]:
-    """The objects alive before the run (Dagster's, the modules': about 300,000) are left out
-    of the garbage collector's full passes while the run allocates: each such pass otherwise
-    walks them all, a 0.2 s stall of the event loop (measured: 3 passes, 0.63 s, in a
-    100,000-row run; 5 ms with the heap frozen). They are handed back afterwards."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

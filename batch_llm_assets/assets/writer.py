@@ -200,3 +200,12 @@ class ChunkWriter:
             self.writes += 1
             if mark is not None:
                 self._journal.commit(mark)
+
+
+async def write_what_arrived(writer: ChunkWriter, writing: asyncio.Task[None]) -> None:
+    """A run that is failing: write what arrived if the warehouse takes it within 30 s (else
+    it stays in the journal for the next run)."""
+    await writer.close()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(30):
+            await asyncio.shield(writing)

@@ -196,3 +196,20 @@ ADAPTIVE_MAX_TIMEOUT_S = 3600.0
 CONCURRENCY_LEASE_TTL_MS = 10_000
 CONCURRENCY_POLL_S = 0.05
 CONCURRENCY_WANT_MS = 1_000
+
+# -- Spend caps (engine/budget.py; budget.lua receives these as arguments) --
+# A cap above this is refused as a mistake (amounts are kept in 1e-9 USD, exact in Redis's and
+# Lua's numbers up to about $9M); leave it unset for no cap.
+MAX_BUDGET_USD = 1_000_000
+# A request's hold on the day's cap lives its attempt's timeout plus this margin: a process
+# killed mid-request keeps that much of the cap no longer than this after the timeout.
+BUDGET_HOLD_MARGIN_S = 30.0
+# A batch file's hold lives this long: the upload and the batch's creation, after which it is
+# charged (the state table then records the file).
+BUDGET_FILE_LEASE_S = 900.0
+# A batch file is held whole or cut to what fits, trying again with the figures a refusal
+# brings back (other runs hold and spend meanwhile) this many times.
+BUDGET_FIT_TRIES = 3
+# A day's spend is kept this many days after its end (a batch collected later is refunded to the
+# day it was charged on); then its keys expire.
+BUDGET_KEEP_DAYS = 2

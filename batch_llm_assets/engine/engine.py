@@ -19,6 +19,7 @@ from . import _constants as C
 from . import errors as E
 from . import structured as S
 from .breaker import Breaker
+from .budget import Refused, SpendCap
 from .flex import FlexTier
 from .gate import ConcurrencyGate, held
 from .limiter import Grant, RedisLimiter
@@ -27,6 +28,7 @@ from .pacing import Pacer
 from .profiles import token_param_for
 from .requests import (
     NON_FINITE,
+    Attempts,
     ChatRequest,
     ChatResult,
     EngineSettings,
@@ -35,7 +37,6 @@ from .requests import (
     has_user_prompt,
     non_finite,
 )
-from .requests import Attempts as _Attempts
 from .runner import run_concurrently
 from .tokens import (
     count_prompt_tokens,
@@ -70,6 +71,7 @@ class Engine:
         self.limiter = limiter
         self.gate = gate  # a self-hosted server's adaptive in-flight limit (gate.py), else fixed
         self.pacer = Pacer(limiter) if limiter is not None else None
+        self.budget: SpendCap | None = None  # spend caps (budget.py), set by whoever prices
         self.breaker = Breaker(
             threshold=settings.breaker_threshold,
             fatal_threshold=settings.fatal_error_threshold,
@@ -205,7 +207,7 @@ class Engine:
         if deadline is None and self.s.deadline_s is not None:
             deadline = time.monotonic() + self.s.deadline_s
         self.breaker.row_started()
-        st = _Attempts(estimate=estimate, deadline=deadline)
+        st = Attempts(estimate=estimate, deadline=deadline)
         signatures: set[str] = set()
         empty_retried = False
         while True:
@@ -232,13 +234,13 @@ class Engine:
                 continue
             return self._result(req, resp, verdict, st, started, max_tokens)
 
-    async def _attempt(self, req, body, max_tokens, deadline, st: _Attempts):
+    async def _attempt(self, req, body, max_tokens, deadline, st: Attempts):
         """Wait for a slot and send once: (answer or ProviderError, grant, start time), or the
         row's final result when it cannot be sent; holding a place in the gate, if any."""
         async with held(self.gate):
             return await self._attempt_once(req, body, max_tokens, deadline, st)
 
-    async def _attempt_once(self, req, body, max_tokens, deadline, st: _Attempts):
+    async def _attempt_once(self, req, body, max_tokens, deadline, st: Attempts):
         reserve = st.estimate
         grant = _FREE
         if self.pacer is not None:
@@ -258,12 +260,17 @@ class Engine:
             if self.breaker.reason:
                 return self._stopped(req, st)
             return self._deadline(req, st)
-        st.attempt += 1
-        self._set_token_param(body, max_tokens)
         t = self.s.request_timeout_s
         timeout = self.gate.timeout(t) if self.gate else t
         if deadline is not None:
             timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+        spend = await self.budget.hold(st.estimate, max_tokens, timeout) if self.budget else None
+        if isinstance(spend, Refused):
+            if self.pacer is not None:
+                await self.pacer.give_back(grant)
+            return st.failed(req, spend.error_class, spend.message)
+        st.attempt += 1
+        self._set_token_param(body, max_tokens)
         started = time.perf_counter()
         st.first_send = st.first_send or started
         mark = self.pacer.sent(st.estimate, max_tokens) if self.pacer is not None else None
@@ -271,6 +278,8 @@ class Engine:
             resp = await self.transport.chat(body, timeout)
         except E.ProviderError as exc:
             st.last = resp = exc
+        if spend is not None:
+            await self.budget.settle(spend, resp)
         if self.gate is not None:
             self.gate.observe(started, resp)
         if isinstance(resp, E.ProviderError):
@@ -288,7 +297,7 @@ class Engine:
         return resp, grant, started
 
     async def _on_error(
-        self, req: ChatRequest, exc: E.ProviderError, grant: Grant, st: _Attempts, sigs: set[str]
+        self, req: ChatRequest, exc: E.ProviderError, grant: Grant, st: Attempts, sigs: set[str]
     ) -> float | ChatResult:
         """Count the error: the delay before the next attempt, or the row's failed result."""
         if req.validate is not None and S.rejects_structured(exc):
@@ -315,7 +324,7 @@ class Engine:
             )
         return backoff_delay(st.attempt, exc.retry_after_s, exact=exc.hint_exact)
 
-    def _stopped(self, req: ChatRequest, st: _Attempts) -> ChatResult:
+    def _stopped(self, req: ChatRequest, st: Attempts) -> ChatResult:
         """The row's result when the breaker stopped the run. A row that already had a real
         error keeps it (class and message): "aborted" would hide why it failed. The others say
         why the run stopped."""
@@ -324,13 +333,13 @@ class Engine:
             return st.failed(req, st.last.error_class, f"{st.last.message} (not retried: {why})")
         return st.failed(req, E.ABORTED, f"aborted: {why}")
 
-    def _deadline(self, req: ChatRequest, st: _Attempts) -> ChatResult:
+    def _deadline(self, req: ChatRequest, st: Attempts) -> ChatResult:
         why = f" (last error: {st.last.message})" if st.last else ""
         return st.failed(
             req, E.DEADLINE_EXCEEDED, f"deadline passed before the request could be sent{why}"
         )
 
-    def _result(self, req, resp: ChatResponse, verdict, st: _Attempts, started, max_tokens):
+    def _result(self, req, resp: ChatResponse, verdict, st: Attempts, started, max_tokens):
         ended = time.perf_counter()
         prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
             st.estimate, max_tokens, resp

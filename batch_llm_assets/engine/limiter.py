@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import random
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -16,8 +15,8 @@ import redis.asyncio as aioredis
 from redis import exceptions as rx
 
 from . import _constants as C
-from .errors import LimiterError, LimiterUnavailableError
-from .redis_client import check_redis, connect_redis, error_kind, limiter_error
+from .errors import LimiterError
+from .redis_client import call_script, check_redis, connect_redis
 
 __all__ = ["Grant", "LimiterSettings", "RedisLimiter", "check_redis", "connect_redis"]
 
@@ -161,24 +160,16 @@ class RedisLimiter:
         ]
 
     async def _call(self, op: str, *named: object, wait: bool = True) -> Grant:
-        args = [op, *self._common(), *named]
-        give_up = time.monotonic() + self.settings.outage_s
-        delay = C.LIMITER_RETRY_DELAY_S
-        while True:
-            try:
-                res = await self._script(keys=self._keys, args=args)
-                break
-            except (rx.RedisError, OSError) as exc:
-                if error_kind(exc) != "outage" or not wait or time.monotonic() + delay > give_up:
-                    err = limiter_error(exc, self._where, f"running {op}")
-                    if error_kind(exc) == "outage" and wait:
-                        err = LimiterUnavailableError(
-                            f"{err.description}; gave up after {self.settings.outage_s:.0f} s"
-                        )
-                    raise err from exc
-                self.warn(type(exc).__name__, "Limiter Redis unavailable (%s); retrying.", exc)
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-                delay = min(delay * 2, C.LIMITER_MAX_RETRY_DELAY_S)
+        res = await call_script(
+            self._script,
+            keys=self._keys,
+            args=[op, *self._common(), *named],
+            where=self._where,
+            doing=f"running {op}",
+            outage_s=self.settings.outage_s,
+            wait=wait,
+            warn=self.warn,
+        )
         granted, wait_ms, slot, factor, share, jobs, epoch, burst = (int(x) for x in res)
         self.factor, self.epoch, self.burst_s = factor / 1e6, epoch, burst / 1000
         return Grant(

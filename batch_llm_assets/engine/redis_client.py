@@ -12,8 +12,12 @@ failing, or a command we built wrong).
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
+import time
 import urllib.parse
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis import exceptions as rx
@@ -26,6 +30,8 @@ from .errors import (
     LimiterScriptError,
     LimiterUnavailableError,
 )
+
+log = logging.getLogger(__name__)
 
 ErrorKind = Literal["outage", "auth", "script", "refused"]
 
@@ -145,3 +151,38 @@ async def check_redis(client, url: str, *, timeout_s: float = C.REDIS_CONNECT_TI
         elif isinstance(err, LimiterAuthError):
             err = LimiterAuthError(f"{err.description}. Check the user and password in redis_url.")
         raise err from exc
+
+
+def _warn_outage(kind: str, msg: str, *args: object) -> None:
+    log.warning(msg, *args)
+
+
+async def call_script(
+    script: Any,
+    *,
+    keys: list[str],
+    args: list[Any],
+    where: str,
+    doing: str,
+    outage_s: float,
+    wait: bool = True,
+    warn: Callable[..., None] = _warn_outage,
+) -> Any:
+    """A registered script's reply; an outage is retried with backoff for up to `outage_s`
+    (unless not `wait`), any other Redis error raised at once as the library's error."""
+    give_up = time.monotonic() + outage_s
+    delay = C.LIMITER_RETRY_DELAY_S
+    while True:
+        try:
+            return await script(keys=keys, args=args)
+        except (rx.RedisError, OSError) as exc:
+            if error_kind(exc) != "outage" or not wait or time.monotonic() + delay > give_up:
+                err = limiter_error(exc, where, doing)
+                if error_kind(exc) == "outage" and wait:
+                    err = LimiterUnavailableError(
+                        f"{err.description}; gave up after {outage_s:.0f} s"
+                    )
+                raise err from exc
+            warn(type(exc).__name__, "Limiter Redis unavailable (%s); retrying.", exc)
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            delay = min(delay * 2, C.LIMITER_MAX_RETRY_DELAY_S)

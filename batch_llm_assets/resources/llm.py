@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any, Literal
 
 import dagster as dg
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from ..engine import _constants as C
+from ..engine.budget import Cost, RunLedger, check_budget
 from ..engine.engine import ChatRequest, ChatResult, Engine, EngineSettings
 from ..engine.flex import FALLBACKS, asks_flex
 from ..engine.profiles import Profile, profile_for
@@ -191,9 +192,27 @@ class LLMResource(dg.ConfigurableResource):
         ge=1,
         description="Stop sending after this many 401/403/404 answers in a row.",
     )
+    budget_usd: float | None = Field(
+        default=None,
+        description="Most USD one Dagster run may spend on requests (all its partitions; outside "
+        "Dagster, this resource object's life). Each request's worst case (its prompt plus "
+        "max_tokens at the model's prices) is held before it is sent and replaced by its real "
+        "cost on the answer. When the next request does not fit, nothing more is sent, the rows "
+        "left are recorded failed `budget_exhausted` and the run fails; a rerun with a larger "
+        "budget sends only those. Needs a priced model (a listed one, price_* or "
+        "price_as_model). Enforced for the assets' runs, live and batch mode. None: no cap.",
+    )
+    budget_usd_per_day: float | None = Field(
+        default=None,
+        description="Most USD all runs with this job_key may spend per UTC day, together: "
+        "counted in redis_url's Redis (required), so concurrent partitions and processes "
+        "share it; held and reconciled per request as budget_usd. Give an asset its own "
+        "job_key to cap it alone. None: no cap.",
+    )
 
     _valkey: EmbeddedValkey | None = PrivateAttr(default=None)
     _servers: dict[str, ServerInfo] = PrivateAttr(default_factory=dict)  # model -> the probe's
+    _run_spend: RunLedger | None = PrivateAttr(default=None)  # budget_usd's, for this run
 
     @field_validator("base_url")
     @classmethod
@@ -208,6 +227,20 @@ class LLMResource(dg.ConfigurableResource):
         if v not in FALLBACKS:
             raise ValueError(f"flex_fallback must be 'standard' or None, got {str(v)[:40]!r}")
         return v
+
+    @field_validator("budget_usd", "budget_usd_per_day", mode="before")
+    @classmethod
+    def _check_budget(cls, v: Any, info: ValidationInfo) -> float | None:
+        return check_budget(str(info.field_name), v)
+
+    @model_validator(mode="after")
+    def _daily_budget_needs_redis(self) -> LLMResource:
+        if self.budget_usd_per_day is not None and not self.redis_url:
+            raise ValueError(
+                "budget_usd_per_day needs redis_url: the day's spend is counted in a Redis that "
+                "every run of the job shares (the embedded one lives only as long as a process)"
+            )
+        return self
 
     @field_validator("provider")
     @classmethod
@@ -266,7 +299,16 @@ class LLMResource(dg.ConfigurableResource):
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._run_spend = None  # a run's budget_usd starts unspent
         self.start()
+
+    def run_spend(self) -> RunLedger | None:
+        """What this run spent against budget_usd (one ledger for all its partitions)."""
+        if self.budget_usd is None:
+            return None
+        if self._run_spend is None:
+            self._run_spend = RunLedger(self.budget_usd)
+        return self._run_spend
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.stop()
@@ -325,13 +367,19 @@ class LLMResource(dg.ConfigurableResource):
         return C.FLEX_REQUEST_TIMEOUT_S if asks_flex(params) else self.profile.request_timeout_s
 
     def engine(
-        self, *, model: str | None = None, params: dict[str, Any] | None = None
+        self,
+        *,
+        model: str | None = None,
+        params: dict[str, Any] | None = None,
+        priced: Callable[[], Cost | None] | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Engine]:
         """An engine bound to the running event loop; closes its connections on exit.
 
         `model` and `params` override the resource's for this engine (one asset, one model).
+        `priced`, asked once the server is known, gives the requests' price; the budgets need
+        it (without it, an engine of a resource with a budget does not open).
         """
-        return open_engine(self, model=model, params=params)
+        return open_engine(self, model=model, params=params, priced=priced)
 
     async def chat_batch(
         self, requests: Iterable[ChatRequest] | AsyncIterable[ChatRequest]

@@ -4,10 +4,12 @@ transport, the shared limiter and the concurrency gate to the running event loop
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..engine.budget import Cost, DailyLedger, SpendCap
 from ..engine.engine import Engine, EngineSettings
+from ..engine.errors import BatchLLMError
 from ..engine.gate import ConcurrencyGate, concurrency_namespace
 from ..engine.limiter import LimiterSettings, RedisLimiter, limiter_namespace
 from ..engine.redis_client import check_redis, connect_redis, safe_url
@@ -42,17 +44,51 @@ async def know_server(llm: LLMResource, settings: EngineSettings) -> None:
     settings.request_timeout_s = llm.timeout_for(settings.params)
 
 
+def spend_cap(
+    llm: LLMResource, priced: Callable[[], Cost | None] | None, *, model: str
+) -> SpendCap | None:
+    """The resource's spend caps over requests priced by `priced()` (engine/budget.py), or
+    None when it sets none. A cap over requests nobody prices cannot hold: that is refused."""
+    cost = priced() if priced is not None else None
+    ledgers: list[Any] = [llm.run_spend()] if llm.budget_usd is not None else []
+    if llm.budget_usd_per_day is not None:
+        assert llm.redis_url is not None  # LLMResource's validator
+        ledgers.append(DailyLedger(llm.redis_url, cap_usd=llm.budget_usd_per_day, job=llm.job_key))
+    if not ledgers:
+        return None
+    if priced is None:
+        raise BatchLLMError(
+            description="budget_usd / budget_usd_per_day is set, but LLMResource.chat_batch and "
+            "engine() do not price their requests, so no cap can hold: use a resource without "
+            "budgets there (the assets' runs price theirs)."
+        )
+    if cost is None:
+        raise BatchLLMError(
+            description=f"budget_usd / budget_usd_per_day is set, but requests to model "
+            f"{model!r} at {safe_url(llm.base_url)} are not priced (a self-hosted server, or a "
+            "model genai-prices does not list), so no cap can hold. Set price_input_per_1m and "
+            "price_output_per_1m (or price_as_model) on the LLM resource, or unset the budgets."
+        )
+    return SpendCap(ledgers, cost)
+
+
 @contextlib.asynccontextmanager
 async def open_engine(
-    llm: LLMResource, *, model: str | None = None, params: dict[str, Any] | None = None
+    llm: LLMResource,
+    *,
+    model: str | None = None,
+    params: dict[str, Any] | None = None,
+    priced: Callable[[], Cost | None] | None = None,
 ) -> AsyncIterator[Engine]:
     """An engine bound to the running event loop; closes its connections on exit.
 
     `model` and `params` override the resource's for this engine (one asset, one model).
+    `priced` is asked for the requests' price once the server is known (the caps need it).
     """
     model = model or llm.model
     settings = llm.engine_settings(model=model, params=params)
     await know_server(llm, settings)
+    cap = spend_cap(llm, priced, model=model)
     transport = TRANSPORTS[llm.transport](
         base_url=llm.base_url,
         api_key=llm.api_key,
@@ -82,8 +118,11 @@ async def open_engine(
         if limiter is not None:
             await limiter.prepare()
         engine = Engine(settings, transport, limiter, gate)
+        engine.budget = await cap.open() if cap is not None else None
         yield engine
     finally:
+        if cap is not None:
+            await cap.aclose()
         if engine is not None:
             await engine.drain()
         if gate is not None:
