@@ -5,7 +5,10 @@ from .assets import (
     LlmBatchSpec,
     Prompt,
     SourceTable,
+    build_estimate_job,
     build_llm_batch_asset,
+    estimate_cost,
+    select_partitions,
     source_table_spec,
 )
 from .engine import ChatRequest, ChatResult, RedisLimiter
@@ -21,6 +24,9 @@ __all__ = [
     "Prompt",
     "RedisLimiter",
     "SourceTable",
+    "build_estimate_job",
     "build_llm_batch_asset",
+    "estimate_cost",
+    "select_partitions",
     "source_table_spec",
 ]

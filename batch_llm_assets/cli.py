@@ -1,5 +1,5 @@
-"""`batch-llm-assets` console command: the provider simulator, a shared embedded Valkey, and
-the llm-d-compatible queue worker."""
+"""`batch-llm-assets` console command: the provider simulator, a shared embedded Valkey, the
+llm-d-compatible queue worker, and the cost estimate of a batch asset."""
 
 from __future__ import annotations
 
@@ -73,6 +73,17 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p)
 
 
+def _estimate_parser(sub: argparse._SubParsersAction) -> None:
+    from .estimate_cli import add_arguments
+
+    p = sub.add_parser(
+        "estimate",
+        help="what a partition, a range or every missing partition of an asset will cost "
+        "(sends nothing)",
+    )
+    add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batch-llm-assets")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("valkey", help="run an embedded Valkey that several processes can share")
     v.add_argument("--port", type=int, default=0)
     _worker_parser(sub)
+    _estimate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "sim":
         try:
@@ -96,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from .worker.cli import run as run_worker
 
         run_worker(args)
+    elif args.command == "estimate":
+        from .estimate_cli import run as run_estimate
+
+        return run_estimate(args)
     return 0
 
 

@@ -90,7 +90,9 @@ def test_ok_fixture_yields_assets_checks_jobs_schedule_and_sensors(ok_defs):
     assert check_keys == {dg.AssetCheckKey(headline, name) for name in CHECKS}  # incoming: off
     assert {j.name for j in ok_defs.jobs or []} == {
         "headline_sentiment_job",
+        "headline_sentiment_estimate",  # the cost estimate, from the UI (assets/estimate_job.py)
         "incoming_sentiment_job",
+        "research__incoming_sentiment_estimate",
     }
 
     (schedule,) = ok_defs.schedules or []
@@ -368,4 +370,7 @@ def test_good_attributes_load_and_default_to_daily_partitions(load_attributes):
     assert asset.partitions_def == dg.DailyPartitionsDefinition(start_date="2019-01-01")
     assert {k.name for k in asset.check_keys} == CHECKS
     assert not defs.schedules and not defs.sensors
-    assert [j.name for j in defs.jobs or []] == ["headline_sentiment_job"]
+    assert [j.name for j in defs.jobs or []] == [
+        "headline_sentiment_job",
+        "headline_sentiment_estimate",
+    ]

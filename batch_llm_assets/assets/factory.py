@@ -2,6 +2,7 @@
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,12 @@ __all__ = [
     "SourceTable",
     "build_asset_from_spec",
     "build_llm_batch_asset",
+    "run_spec_for",
+    "spec_of",
 ]
+
+# The spec of each asset built here, by its op (see spec_of).
+_SPECS: weakref.WeakKeyDictionary[dg.OpDefinition, LlmBatchSpec] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -160,35 +166,9 @@ def build_asset_from_spec(
     extra_deps: Sequence[dg.AssetKey] = (),
 ) -> dg.AssetsDefinition:
     """The asset of a validated spec (the Python builder and the YAML component both end here)."""
-    src = spec.source
-    columns = spec.columns
-    with at("prompt"):
-        compiled = CompiledPrompt(
-            spec.prompt_obj,
-            columns,
-            render_timeout_s=spec.render_timeout_s,
-            max_prompt_chars=spec.max_prompt_chars,
-        )
-    typed = spec.typed
-    run_spec = RunSpec(
-        source=SourceRef(src.table, src.id_column, columns, src.partition_column),
-        output=output_table(spec.output, typed.columns() if typed else ()),
-        prompt=compiled,
-        model=spec.model,
-        params=dict(spec.params),
-        chunk_rows=spec.chunk_rows,
-        output_schema=typed,
-        repair_attempts=spec.repair_attempts,
-        identity_endpoint=spec.identity_endpoint,
-        reuse_answers=spec.reuse_answers,
-    )
-    llm_key, warehouse_key, output = spec.llm_resource_key, spec.warehouse_resource_key, spec.output
-    deps = [
-        *(dg.AssetKey.from_user_string(d) for d in spec.deps or []),
-        *extra_deps,
-        source_key(spec),
-    ]
-
+    run_spec = run_spec_for(spec)
+    typed = run_spec.output_schema
+    llm_key, warehouse_key = spec.llm_resource_key, spec.warehouse_resource_key
     asset_key = dg.AssetKey([*(spec.key_prefix or []), spec.name])
     pdef = partitions_def or spec.partitions_def()
     # backfill_policy is a beta parameter, partitioned checks a preview: no noise per load.
@@ -211,20 +191,7 @@ def build_asset_from_spec(
         # partition of a range, and required check outputs would take one result per step.
         asset = dg.multi_asset(
             name=asset_key.to_python_identifier(),
-            specs=[
-                dg.AssetSpec(
-                    asset_key,
-                    skippable=True,
-                    group_name=spec.group_name,
-                    description=spec.description
-                    or f"LLM answers for every row of {src.table}, written to {output}.",
-                    deps=list(dict.fromkeys(deps)),
-                    tags=dict(spec.tags or {}),
-                    owners=list(spec.owners) if spec.owners else None,
-                    kinds=asset_kinds(spec),
-                    metadata=definition_metadata(spec),
-                )
-            ],
+            specs=[_asset_spec(spec, asset_key, extra_deps)],
             partitions_def=pdef,
             backfill_policy=spec.backfill_policy(),
             pool=spec.pool_name,
@@ -246,7 +213,62 @@ def build_asset_from_spec(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
-        return asset(_asset)
+        built = asset(_asset)
+    _SPECS[built.node_def] = spec
+    return built
+
+
+def _asset_spec(
+    spec: LlmBatchSpec, asset_key: dg.AssetKey, extra_deps: Sequence[dg.AssetKey]
+) -> dg.AssetSpec:
+    deps = [
+        *(dg.AssetKey.from_user_string(d) for d in spec.deps or []),
+        *extra_deps,
+        source_key(spec),
+    ]
+    return dg.AssetSpec(
+        asset_key,
+        skippable=True,
+        group_name=spec.group_name,
+        description=spec.description
+        or f"LLM answers for every row of {spec.source.table}, written to {spec.output}.",
+        deps=list(dict.fromkeys(deps)),
+        tags=dict(spec.tags or {}),
+        owners=list(spec.owners) if spec.owners else None,
+        kinds=asset_kinds(spec),
+        metadata=definition_metadata(spec),
+    )
+
+
+def run_spec_for(spec: LlmBatchSpec) -> RunSpec:
+    """What a partition run of `spec` reads, renders, sends and writes."""
+    src = spec.source
+    with at("prompt"):
+        compiled = CompiledPrompt(
+            spec.prompt_obj,
+            spec.columns,
+            render_timeout_s=spec.render_timeout_s,
+            max_prompt_chars=spec.max_prompt_chars,
+        )
+    typed = spec.typed
+    return RunSpec(
+        source=SourceRef(src.table, src.id_column, spec.columns, src.partition_column),
+        output=output_table(spec.output, typed.columns() if typed else ()),
+        prompt=compiled,
+        model=spec.model,
+        params=dict(spec.params),
+        chunk_rows=spec.chunk_rows,
+        output_schema=typed,
+        repair_attempts=spec.repair_attempts,
+        identity_endpoint=spec.identity_endpoint,
+        reuse_answers=spec.reuse_answers,
+    )
+
+
+def spec_of(asset: dg.AssetsDefinition) -> LlmBatchSpec | None:
+    """The spec `asset` was built from, or None for an asset this package did not build. Its
+    op is the key: Dagster keeps it through subsetting and `map_asset_specs`."""
+    return _SPECS.get(asset.node_def) if asset.is_executable else None
 
 
 def _run_partitions(
@@ -293,7 +315,8 @@ def _run_batch_partition(
     run_spec: RunSpec,
     spec: LlmBatchSpec,
 ) -> dg.MaterializeResult:
-    where, partition_key, run_spec = partition_source(context, key, run_spec, spec)
+    pdef = context.assets_def.partitions_def
+    where, partition_key, run_spec = partition_source(pdef, key, run_spec, spec)
     return materialize_batch_partition(
         context,
         run_spec,

@@ -25,7 +25,7 @@ from .structured import field_check_results, field_quality, quality_metadata
 
 
 def slice_for(
-    context: dg.AssetExecutionContext, key: str | None, column: str | None, per_partition: bool
+    pdef: dg.PartitionsDefinition | None, key: str | None, column: str | None, per_partition: bool
 ) -> SliceFilter:
     if key is None:
         return SliceFilter()
@@ -33,7 +33,6 @@ def slice_for(
         return SliceFilter(label=key)
     if column is None:
         raise BatchLLMError(description="A partitioned asset needs source.partition_column.")
-    pdef = context.assets_def.partitions_def
     if isinstance(pdef, dg.TimeWindowPartitionsDefinition):
         window = pdef.time_window_for_partition_key(key)
         return SliceFilter(column=column, start=window.start, end=window.end, label=key)
@@ -41,11 +40,12 @@ def slice_for(
 
 
 def partition_source(
-    context: dg.AssetExecutionContext, key: str | None, run_spec: RunSpec, spec: LlmBatchSpec
+    pdef: dg.PartitionsDefinition | None, key: str | None, run_spec: RunSpec, spec: LlmBatchSpec
 ) -> tuple[SliceFilter, str, RunSpec]:
-    """The slice, partition key and run spec of one partition (a table per partition: its own)."""
+    """The slice, partition key and run spec of one partition of an asset partitioned by `pdef`
+    (a table per partition: its own)."""
     src = spec.source
-    where = slice_for(context, key, src.partition_column, src.per_partition)
+    where = slice_for(pdef, key, src.partition_column, src.per_partition)
     partition_key = key or "__all__"
     if src.per_partition:  # the partition names the table; checked like any table name
         table = src.table.replace(TABLE_PER_PARTITION, partition_key)
@@ -66,7 +66,8 @@ def run_partition(
 ) -> PartitionOutcome:
     """Run one partition (or the whole table), judged on the partition as the output table now
     holds it. Raises dg.Failure only when it could not run (nothing to judge)."""
-    where, partition_key, run_spec = partition_source(context, key, run_spec, spec)
+    pdef = context.assets_def.partitions_def
+    where, partition_key, run_spec = partition_source(pdef, key, run_spec, spec)
     try:
         check_flex(llm, run_spec.model or llm.model, {**llm.params, **run_spec.params}, context.log)
         with warehouse.session() as session:

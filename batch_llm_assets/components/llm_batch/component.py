@@ -1,4 +1,4 @@
-"""LlmBatchComponent: the batch LLM asset, its checks, schedule and sensors, declared in YAML.
+"""LlmBatchComponent: the batch LLM asset, its checks, schedule, sensors and estimate job, in YAML.
 
     # defs/headline_sentiment/defs.yaml
     type: batch_llm_assets.components.LlmBatchComponent
@@ -28,6 +28,7 @@ import dagster as dg
 from pydantic import ConfigDict, Field, model_validator
 
 from ...assets.checks import DEFAULT_WARN_FAILED_FRACTION
+from ...assets.estimate_job import build_estimate_job
 from ...assets.factory import build_asset_from_spec
 from ...assets.lineage import source_table_spec
 from ...assets.spec import (
@@ -297,7 +298,7 @@ class LlmBatchComponent(dg.Component, dg.Resolvable, dg.Model):
             )
         return dg.Definitions(
             assets=[source_table_spec(asset), asset],
-            jobs=[job],
+            jobs=[job, build_estimate_job(asset=asset)],
             schedules=schedules,
             sensors=sensors,
         )
