@@ -19,19 +19,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import dagster as dg
 
 from ..engine.errors import BatchLLMError
+from ..engine.requests import EngineSettings
 from ..engine.tokens import requested_max_tokens
 from ..resources.llm import LLMResource
 from ..warehouses.base import Warehouse
 from ..warehouses.output_stats import stored_answer_stats
 from .estimate_report import Estimate, Sample
 from .estimate_scan import SAMPLE_ROWS, Counts, PartitionScanner
+from .estimate_typed import bounded_answer_tokens
 from .factory import run_spec_for, spec_of
 from .pricing import cost_usd, price_for_resource, pricing_label
 from .sharing import reuses_answers
+from .structured import OutputSchema
 
 __all__ = [
     "SAMPLE_PARTITIONS",
@@ -163,12 +167,7 @@ def estimate_cost(
         counts = asyncio.run(_scan(scanner, read))
     total = Counts()
     total.add(counts, len(keys) / len(read) if read else 0.0)
-    if observed is not None and observed.answers and observed.mean_completion_tokens is not None:
-        per_request = observed.mean_completion_tokens
-        basis = f"mean of the {observed.answers} answers stored"
-    else:
-        per_request = float(requested_max_tokens(settings.params, settings.default_max_tokens))
-        basis = "max_tokens: no answer stored yet, an upper bound"
+    per_request, basis = _output_per_request(observed, run_spec.output_schema, settings)
     prompt, requests = round(total.prompt_tokens), round(total.requests)
     output = round(total.requests * per_request)
     live = price_for_resource(llm, settings.model)
@@ -232,3 +231,17 @@ def sampled_keys(keys: list[str | None], at_most: int) -> list[str | None]:
 
 def _rounded(usd: float | None) -> float | None:
     return None if usd is None else round(usd, 6)
+
+
+def _output_per_request(
+    observed: Any, schema: OutputSchema | None, settings: EngineSettings
+) -> tuple[float, str]:
+    """Output tokens per request, and what they rest on: the mean of the answers stored, else
+    the size of a typed answer whose every field is bounded, else max_tokens (an upper bound)."""
+    if observed is not None and observed.answers and observed.mean_completion_tokens is not None:
+        return observed.mean_completion_tokens, f"mean of the {observed.answers} answers stored"
+    cap = requested_max_tokens(settings.params, settings.default_max_tokens)
+    typical = bounded_answer_tokens(schema, settings.model)
+    if typical is not None and typical < cap:
+        return float(typical), "the typed answer's size (every field bounded): no answer stored yet"
+    return float(cap), "max_tokens: no answer stored yet, an upper bound"

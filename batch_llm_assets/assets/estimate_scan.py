@@ -10,8 +10,8 @@ are skipped there as in a run. Then, as sharing.py does in a run:
 - with reuse, a request counted in an earlier partition of the estimate is reused too: that
   partition's run stores its answer first.
 Prompt tokens are counted with the engine's tokenizer over the messages that would be sent.
-An asset in Batch API mode sends every pending row in its batch file (batch_mode.py): there,
-nothing is shared or reused.
+An asset in Batch API mode shares and reuses the same way (batch_pending.py): one line per
+distinct request in its batch file.
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ class PartitionScanner:
         self.llm = llm
         self.db = session
         self.reuse = reuse
-        # The Batch API mode sends every pending row: it neither shares nor reuses answers.
-        self.shares = spec.mode != "batch"
         self.stored = stored
         self.sample_rows = sample_rows
         self.settings = llm.engine_settings(model=run_spec.model, params=run_spec.params)
@@ -112,7 +110,7 @@ class PartitionScanner:
         reader = SliceReader(run_spec, self.llm, self.db, where, pk, stats, self.max_prompt_chars)
         reader.nothing_done = not self.stored or not self.db.has_output(run_spec.output.name, pk)
         lookup = None
-        if self.shares and self.stored and (self.reuse or not reader.nothing_done):
+        if self.stored and (self.reuse or not reader.nothing_done):
             lookup = stored_answers(self.db, run_spec.output, pk, self.reuse)
         counts = Counts()
         seen: dict[str, bool] = {}  # identity -> its answer was stored before the run
@@ -128,7 +126,7 @@ class PartitionScanner:
         counts.rows += stats.skipped
         self.rows_read += int(counts.rows)
         self.partitions_cut += counts.rows < total
-        if self.reuse and self.shares:
+        if self.reuse:
             self.earlier.update(seen)
         scaled = Counts()
         scaled.add(counts, total / counts.rows if counts.rows else 0.0)
@@ -150,9 +148,6 @@ class PartitionScanner:
             h = hashes.pop(req.id, None) if req.error is None else None
             if h is None or req.messages is None:
                 counts.unsendable += 1
-            elif not self.shares:  # every pending row is a line of the batch file
-                counts.requests += 1
-                counts.prompt_tokens += count_prompt_tokens(req.messages, self.model)
             elif h in seen:
                 counts.reused += seen[h]
                 counts.shared += not seen[h]
