@@ -83,7 +83,11 @@ def test_base64_is_little_endian_float32_of_the_same_vector(esim):
         ),
         ({}, {"input": "a", "dimensions": 0}, "'dimensions'"),
         ({}, {"input": "a", "dimensions": 5000}, "'dimensions'"),
-        ({}, {"input": "a", "model": "text-embedding-ada-002", "dimensions": 8}, "does not support"),
+        (
+            {},
+            {"input": "a", "model": "text-embedding-ada-002", "dimensions": 8},
+            "does not support",
+        ),
         ({}, {"input": "a", "encoding_format": "int8"}, "encoding_format"),
     ],
 )
