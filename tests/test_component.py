@@ -270,11 +270,11 @@ def load_attributes(tmp_path, monkeypatch):
     """Write a defs folder with one component of these attributes, then load it."""
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    def load(attributes: dict) -> dg.Definitions:
+    def load(attributes: dict, kind: str = "LlmBatchComponent") -> dg.Definitions:
         package = f"defs_{uuid.uuid4().hex[:8]}"
         folder = Path(tmp_path, package, "component")
         folder.mkdir(parents=True)
-        doc = {"type": "batch_llm_assets.components.LlmBatchComponent", "attributes": attributes}
+        doc = {"type": f"batch_llm_assets.components.{kind}", "attributes": attributes}
         (folder / "defs.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         importlib.invalidate_caches()
         try:

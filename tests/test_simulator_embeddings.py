@@ -15,18 +15,6 @@ import pytest
 from .conftest import SIM_KEY
 
 MODEL = "text-embedding-3-small"
-DEFAULTS = {
-    "embedding_max_inputs": 2048,
-    "embedding_max_input_tokens": 8192,
-    "embedding_max_request_tokens": 300_000,
-}
-
-
-@pytest.fixture
-def esim(fresh_sim):
-    """The shared simulator with OpenAI's embedding limits (a test may lower them)."""
-    fresh_sim.configure(**DEFAULTS)
-    return fresh_sim
 
 
 def post(sim, body, key=SIM_KEY):
@@ -42,9 +30,9 @@ def post(sim, body, key=SIM_KEY):
         return exc.code, json.loads(exc.read())
 
 
-def test_vectors_are_deterministic_unit_vectors_and_similar_texts_are_close(esim):
+def test_vectors_are_deterministic_unit_vectors_and_similar_texts_are_close(fresh_sim):
     texts = ["bank shares rise", "bank shares fall", "bank shares rise", "weather is mild"]
-    status, body = post(esim, {"model": MODEL, "input": texts, "dimensions": 64})
+    status, body = post(fresh_sim, {"model": MODEL, "input": texts, "dimensions": 64})
     assert status == 200
     vecs = [d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])]
     assert [len(v) for v in vecs] == [64] * 4
@@ -56,13 +44,13 @@ def test_vectors_are_deterministic_unit_vectors_and_similar_texts_are_close(esim
 
     assert cos(vecs[0], vecs[1]) > cos(vecs[0], vecs[3])  # shared words: closer
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
-    assert esim.stats()["admitted_tokens"] == body["usage"]["prompt_tokens"]
+    assert fresh_sim.stats()["admitted_tokens"] == body["usage"]["prompt_tokens"]
 
 
-def test_base64_is_little_endian_float32_of_the_same_vector(esim):
-    _, floats = post(esim, {"model": MODEL, "input": "rates held", "dimensions": 16})
+def test_base64_is_little_endian_float32_of_the_same_vector(fresh_sim):
+    _, floats = post(fresh_sim, {"model": MODEL, "input": "rates held", "dimensions": 16})
     _, packed = post(
-        esim,
+        fresh_sim,
         {"model": MODEL, "input": "rates held", "dimensions": 16, "encoding_format": "base64"},
     )
     decoded = array.array("f", base64.b64decode(packed["data"][0]["embedding"])).tolist()
@@ -91,17 +79,17 @@ def test_base64_is_little_endian_float32_of_the_same_vector(esim):
         ({}, {"input": "a", "encoding_format": "int8"}, "encoding_format"),
     ],
 )
-def test_limits_and_bad_values_answer_400_for_the_whole_request(esim, settings, body, needle):
-    esim.configure(**settings)
-    status, answer = post(esim, {"model": MODEL} | body)
+def test_limits_and_bad_values_answer_400_for_the_whole_request(fresh_sim, settings, body, needle):
+    fresh_sim.configure(**settings)
+    status, answer = post(fresh_sim, {"model": MODEL} | body)
     assert status == 400 and needle in answer["error"]["message"]
-    assert esim.stats().get("admitted_requests", 0) == 0  # refused before the limits
+    assert fresh_sim.stats().get("admitted_requests", 0) == 0  # refused before the limits
 
 
-def test_tpm_counts_the_sum_of_the_inputs_and_a_wrong_key_gets_401(esim):
-    esim.configure(tpm=60, rpm=None)  # a bucket of 1 token/s
-    status, _ = post(esim, {"model": MODEL, "input": ["alpha beta"] * 3})
+def test_tpm_counts_the_sum_of_the_inputs_and_a_wrong_key_gets_401(fresh_sim):
+    fresh_sim.configure(tpm=60, rpm=None)  # a bucket of 1 token/s
+    status, _ = post(fresh_sim, {"model": MODEL, "input": ["alpha beta"] * 3})
     assert status == 200
-    status, body = post(esim, {"model": MODEL, "input": ["alpha beta"] * 3})
+    status, body = post(fresh_sim, {"model": MODEL, "input": ["alpha beta"] * 3})
     assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
-    assert post(esim, {"model": MODEL, "input": "x"}, key="sk-wrong-key-000000")[0] == 401
+    assert post(fresh_sim, {"model": MODEL, "input": "x"}, key="sk-wrong-key-000000")[0] == 401

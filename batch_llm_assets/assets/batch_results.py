@@ -276,13 +276,15 @@ def materialize_batch_partition(
     max_failed_fraction: float,
     checks: bool = True,
     warn_failed_fraction: float,
+    run_class: type | None = None,
 ) -> dg.MaterializeResult:
-    """The asset body in batch mode: run the partition, then metadata and the failure check."""
+    """The asset body in batch mode: run the partition with `run_class` (None: the chat
+    BatchPartitionRun), then metadata and the failure check."""
     from .batch_mode import BatchPartitionRun
 
     output = spec.output.name
     with warehouse.session() as session:
-        run = BatchPartitionRun(
+        run = (run_class or BatchPartitionRun)(
             spec,
             llm,
             session,

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens
-from . import embeddings
 from .content import answer, structured_answer
+from .embeddings import ENDPOINT as EMBEDDINGS
+from .embeddings import batch_answer, line_tokens
 from .structured import requested_schema
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class BatchAPI:
         found = self.files.get(body.get("input_file_id", ""))
         if found is None:
             return _error(400, f"input_file_id {body.get('input_file_id')!r} not found")
-        if body.get("endpoint") not in ("/v1/chat/completions", embeddings.ENDPOINT):
+        if body.get("endpoint") not in ("/v1/chat/completions", EMBEDDINGS):
             return _error(400, f"unsupported endpoint {body.get('endpoint')!r}")
         lines = [json.loads(ln) for ln in found[1].splitlines() if ln.strip()]
         model = lines[0]["body"].get("model", "") if lines else ""
@@ -284,8 +285,8 @@ class BatchAPI:
 
     # -- processing ------------------------------------------------------------------------
     def _estimate(self, body: dict[str, Any], endpoint: str) -> int:
-        if endpoint == embeddings.ENDPOINT:
-            return embeddings.line_tokens(self.sim.config, body)
+        if endpoint == EMBEDDINGS:
+            return line_tokens(self.sim.config, body)
         model = body.get("model", "")
         budget = body.get("max_completion_tokens") or body.get("max_tokens")
         budget = int(budget or self.sim.config.default_max_tokens)
@@ -340,8 +341,8 @@ class BatchAPI:
 
     def _answer(self, body: dict[str, Any], endpoint: str) -> tuple[int, dict[str, Any]]:
         sim = self.sim
-        if endpoint == embeddings.ENDPOINT:
-            return embeddings.batch_answer(sim, body)
+        if endpoint == EMBEDDINGS:
+            return batch_answer(sim, body)
         model = body.get("model", "")
         messages = body.get("messages") or []
         if model not in sim.config.models:
