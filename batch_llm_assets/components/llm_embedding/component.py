@@ -107,6 +107,14 @@ class LlmEmbeddingComponent(dg.Component, dg.Resolvable, dg.Model):
     owners: Annotated[list[str] | None, _described("owners")] = None
     llm_resource_key: Annotated[str, _described("llm_resource_key")] = "llm"
     warehouse_resource_key: Annotated[str, _described("warehouse_resource_key")] = "warehouse"
+    declare_source: Annotated[
+        bool,
+        dg.Resolver.default(
+            description="Declare the source table as an asset upstream of this one. Set false "
+            "when another component of the code location declares the same table (one key, "
+            "one declaration)."
+        ),
+    ] = True
     schedule: Annotated[
         ScheduleConfig | None,
         dg.Resolver.default(
@@ -156,6 +164,5 @@ class LlmEmbeddingComponent(dg.Component, dg.Resolvable, dg.Model):
                 selection=[asset.key],
                 partitions_def=asset.partitions_def,
             )
-        return dg.Definitions(
-            assets=[source_table_spec(asset), asset], jobs=[job], schedules=schedules
-        )
+        source = [source_table_spec(asset)] if self.declare_source else []
+        return dg.Definitions(assets=[*source, asset], jobs=[job], schedules=schedules)
