@@ -24,8 +24,17 @@ MAX_DIMENSIONS = 16_384
 BASE64_PROVIDERS = frozenset({"openai", "azure", "vllm"})
 # Rows whose vectors may be in flight at once (sent, or answered and not yet handed to the
 # writer): the senders are as many packs of max_inputs_per_request as this allows, at most the
-# LLM resource's concurrency. Bounds memory by rows, not by requests.
-MAX_ROWS_IN_FLIGHT = 16_384
+# LLM resource's concurrency, and each waits for the writer's room before it sends. Bounds
+# memory by rows, not by requests.
+MAX_ROWS_IN_FLIGHT = 8192
+# A pack carries at most this many seconds of the tokens/min limit: providers enforce a
+# per-minute limit over short periods (Azure OpenAI "evaluates the rate of incoming requests
+# over a small period of time, typically 1 or 10 seconds", learn.microsoft.com/azure/ai-services/
+# openai/how-to/quota), and a request larger than such a period's share waits for an empty one
+# (or gets a 429), however empty the minute. Half a second is also the limiter's default burst
+# (engine/_constants.py DEFAULT_BURST_S): a pack then never needs more than a burst. Packs of
+# 10-token rows still carry 50 rows from a tpm of 60,000 up.
+PACK_RATE_S = 0.5
 # A pack waits at most this long for its next row: followers of its rows wait for their
 # answers (assets/sharing.py pauses the reader at MAX_WAITING of them), so a pack that kept
 # waiting for more rows could wait for itself.

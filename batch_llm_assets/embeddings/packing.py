@@ -37,9 +37,10 @@ class EmbedItem:
 @dataclass(frozen=True, slots=True)
 class PackLimits:
     max_inputs: int
-    max_tokens: int  # per request: the provider's, and never more than the tpm
+    max_tokens: int  # a pack's tokens: a row over it goes alone
     max_input_tokens: int
     truncate: bool = False
+    ceiling: int | None = None  # a request's tokens at most (the provider's; the tpm)
 
 
 def sized(item: EmbedItem, limits: PackLimits, model: str) -> EmbedItem:
@@ -64,10 +65,10 @@ def sized(item: EmbedItem, limits: PackLimits, model: str) -> EmbedItem:
         text, n = _cut(text, model, limit)
         item.truncated = True
     item.text, item.tokens = text, n
-    if n > limits.max_tokens:
+    if limits.ceiling is not None and n > limits.ceiling:
         item.error = (
             E.REQUEST_TOO_LARGE,
-            f"text is {n} tokens, more than one request may carry ({limits.max_tokens}: the "
+            f"text is {n} tokens, more than one request may carry ({limits.ceiling}: the "
             "tokens/min limit or max_tokens_per_request); not sent",
         )
     return item
@@ -137,8 +138,8 @@ async def packs(
                     pack = []
                 raise got.exc
             item = sized(got, limits, model)
-            if item.error is not None:
-                yield [item]
+            if item.error is not None or item.tokens > limits.max_tokens:
+                yield [item]  # failed before sending, or a pack of its own
                 continue
             if pack and (
                 len(pack) >= limits.max_inputs or tokens + item.tokens > limits.max_tokens

@@ -10,6 +10,7 @@ request identity, engine/identity.py's scope); the engine the run holds is an Em
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -145,10 +146,13 @@ class EmbeddingPartitionRun(PartitionRun):
     def _sender(self, engine: Engine) -> EmbeddingSender:
         spec, llm = self.spec, self.llm
         window = engine.s.context_window if not llm.profile.hosted else None
-        ceiling = engine.limiter.max_request_tokens if engine.limiter is not None else None
+        tpm = engine.limiter.max_request_tokens if engine.limiter is not None else None
+        ceiling = min(spec.max_request_tokens, tpm or spec.max_request_tokens)
         limits = PackLimits(
             max_inputs=spec.max_inputs,
-            max_tokens=min(spec.max_request_tokens, ceiling or spec.max_request_tokens),
+            # A pack carries at most PACK_RATE_S of the tokens/min limit (see _constants.py).
+            max_tokens=min(ceiling, math.ceil(tpm * C.PACK_RATE_S / 60) if tpm else ceiling),
+            ceiling=ceiling,
             max_input_tokens=spec.max_input_tokens or window or C.MAX_INPUT_TOKENS,
             truncate=spec.truncate,
         )
@@ -167,6 +171,7 @@ class EmbeddingPartitionRun(PartitionRun):
         failed: asyncio.Future[BaseException],
     ) -> None:
         sender = self._sender(engine)
+        sender.room = writer.room
         if not self.spec.truncate and self.spec.prompt.max_prompt_chars is None:
             # Longer texts cannot fit: refused without tokenizing (prompt_too_large).
             self.reader.max_prompt_chars = CHARS_PER_TOKEN * sender.limits.max_input_tokens

@@ -17,7 +17,7 @@ import base64
 import binascii
 import math
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,9 @@ class EmbeddingSender:
         self.model = engine.s.model
         self.limits = limits
         self.dims = dimensions
+        # Awaited before each pack is sent: the writer's room (a pack's results are delivered
+        # as they come, so packs go only while the writer keeps up: memory stays bounded).
+        self.room: Callable[[], Awaitable[None]] | None = None
         self.body: dict[str, Any] = {"model": self.model, "encoding_format": encoding_format}
         if dimensions is not None:
             self.body["dimensions"] = dimensions
@@ -173,6 +176,8 @@ class EmbeddingSender:
         )
 
     async def run_pack(self, pack: list[EmbedItem]) -> list[EmbeddingResult]:
+        if self.room is not None:
+            await self.room()
         out = [_failed(i, *i.error) for i in pack if i.error is not None]
         live = [i for i in pack if i.error is None]
         for _ in live:
