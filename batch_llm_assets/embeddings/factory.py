@@ -18,6 +18,7 @@ from ..assets.factory import SourceTable, Task, build_asset_from_spec, run_spec_
 from ..assets.lineage import definition_metadata
 from ..warehouses import bigquery_dml, duckdb_types
 from . import _constants as C
+from .batch import EmbeddingBatchRun
 from .run import (
     DESCRIPTIONS,
     EMBEDDING_COLUMNS,
@@ -110,14 +111,10 @@ def build_embedding_asset_from_spec(
         spec = spec.model_copy(
             update={"description": f"{what} of every row of {spec.source.table}, in {spec.output}."}
         )
-    task = Task(run_spec, EmbeddingPartitionRun, _no_batch_mode, embedding_metadata(spec))
+    task = Task(run_spec, EmbeddingPartitionRun, EmbeddingBatchRun, embedding_metadata(spec))
     return build_asset_from_spec(
         spec, partitions_def=partitions_def, extra_deps=extra_deps, task=task
     )
-
-
-def _no_batch_mode(*args: Any, **kw: Any) -> Any:
-    raise NotImplementedError("batch mode for embeddings")
 
 
 def embedding_metadata(spec: LlmEmbeddingSpec) -> dict[str, Any]:

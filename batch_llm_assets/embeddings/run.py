@@ -28,8 +28,9 @@ from ..engine.errors import redact
 from ..engine.identity import request_identity
 from ..warehouses.base import OutputTable
 from . import _constants as C
+from .answers import EmbeddingResult
 from .packing import EmbedItem, PackLimits
-from .sender import EmbeddingResult, EmbeddingSender
+from .sender import EmbeddingSender
 
 # The embedding table's columns after `id`, as (name, logical type).
 EMBEDDING_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -193,24 +194,38 @@ class EmbeddingPartitionRun(PartitionRun):
         cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
         self.stats.add(r, cost)
         self.served_model = served_model(self.model, r.model, self.served_model, self.log)
-        vec = r.embedding
-        error = r.error_message
-        return {
-            "id": r.id,
-            "partition_key": self.partition_key,
-            "embedding": vec,
-            "dimensions": len(vec) if vec is not None else None,
-            "status": r.status,
-            "error_class": r.error_class,
-            "error": storable(redact(error, self.llm.api_key)) if error else None,
-            "model": storable(r.model or self.model),
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "cost_usd": cost,
-            "truncated": r.truncated,
-            "latency_ms": r.latency_ms,
-            "total_ms": r.total_ms,
-            "attempts": r.attempts,
-            "request_hash": self.reader.hashes.pop(r.id, None),
-            "completed_at": now,
-        }
+        rhash = self.reader.hashes.pop(r.id, None)
+        return embedding_row(r, self.partition_key, self.model, cost, rhash, now, self.llm.api_key)
+
+
+def embedding_row(
+    r: EmbeddingResult,
+    partition_key: str,
+    model: str,
+    cost: float | None,
+    request_hash: str | None,
+    now: datetime,
+    secret: str,
+) -> dict[str, Any]:
+    """A result as a row of the embedding table (its vector still a float32 array)."""
+    vec = r.embedding
+    error = r.error_message
+    return {
+        "id": r.id,
+        "partition_key": partition_key,
+        "embedding": vec,
+        "dimensions": len(vec) if vec is not None else None,
+        "status": r.status,
+        "error_class": r.error_class,
+        "error": storable(redact(error, secret)) if error else None,
+        "model": storable(r.model or model),
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cost_usd": cost,
+        "truncated": r.truncated,
+        "latency_ms": r.latency_ms,
+        "total_ms": r.total_ms,
+        "attempts": r.attempts,
+        "request_hash": request_hash,
+        "completed_at": now,
+    }

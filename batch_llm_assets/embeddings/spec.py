@@ -95,10 +95,10 @@ class LlmEmbeddingSpec(LlmBatchSpec):
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(name, f"must be >= 1, got {value}")
-        if self.mode == "batch":
-            fail("mode", "'batch' is not supported by embedding assets yet; use 'live'")
-        if self.mode == "batch" and self.max_inputs_per_request > C.BATCH_MAX_INPUTS:
-            fail("max_inputs_per_request", f"must be <= {C.BATCH_MAX_INPUTS} in mode 'batch'")
+        # Batch mode sends a row per line: a file's lines are its embedding inputs.
+        lines = self.batch.max_file_requests if self.batch is not None else C.BATCH_MAX_INPUTS
+        if self.mode == "batch" and lines > C.BATCH_MAX_INPUTS:
+            fail("batch.max_file_requests", f"must be <= {C.BATCH_MAX_INPUTS} for embeddings")
         return self
 
     @property
