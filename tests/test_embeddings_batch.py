@@ -5,10 +5,7 @@ with DuckDB files and real `dagster asset materialize` subprocesses; counted at 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,7 +13,7 @@ from batch_llm_assets.assets.batch_mode import BatchSettings, state_table_for
 
 from .conftest import SIM_KEY
 from .conftest import duckdb_query as query
-from .test_batch_mode import batch_config, bsim  # noqa: F401  (fixture)
+from .test_batch_mode import bsim, kill_while_polling_then_rerun  # noqa: F401  (fixture)
 from .test_embeddings import DAY, MODEL, PER_DAY, asset, db, materialize, metadata  # noqa: F401
 
 
@@ -91,20 +88,7 @@ def test_sigkill_while_waiting_then_rerun_embeds_the_partition_exactly_once(
     cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-f", str(defs)]
     cmd += ["--select", "emb", "--partition", DAY]
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    batch_config(bsim, completion_s=120.0)  # the batch stays in progress while the run polls
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    deadline = time.time() + 120
-    while bsim.stats().get("batches_retrieved", 0) < 2:  # submitted, and polling
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert bsim.stats()["batches_created"] == 1
-    batch_config(bsim, completion_s=0.5)  # the provider finishes the batch meanwhile
-    final = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert final.returncode == 0, final.stderr[-2000:]
+    kill_while_polling_then_rerun(bsim, cmd, env)
     stats = bsim.stats()
     assert (stats["files_uploaded"], stats["batches_created"]) == (1, 1)
     assert stats["batch_lines_submitted"] == PER_DAY == stats["batch_lines_processed"]

@@ -15,12 +15,12 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..engine import errors as E
 from ..engine.breaker import Breaker
 from ..engine.engine import Engine
+from ..engine.engine import _Attempts as _State  # a pack's attempts: a chat request's fields
 from ..engine.gate import held
 from ..engine.limiter import Grant
 from ..engine.requests import backoff_delay
@@ -34,18 +34,6 @@ _SPLIT_STATUSES = (400, 413, 422)
 # OpenAI's 400 for an input over the model's limit has no error code; its message says it
 # ("maximum context length is 8192 tokens").
 _CONTEXT_MESSAGE = "maximum context length"
-
-
-@dataclass(slots=True)
-class _State:
-    """What one pack's attempts have accumulated."""
-
-    estimate: int
-    attempt: int = 0
-    waited: float = 0.0
-    n429: int = 0
-    first_send: float | None = None
-    last: E.ProviderError | None = None
 
 
 class EmbeddingSender:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, StrictInt, ValidationError, model_validator
+from pydantic import Field, StrictInt, model_validator
 
-from ..assets.spec import LlmBatchConfigError, LlmBatchSpec, describe, fail
+from ..assets.spec import LlmBatchConfigError, LlmBatchSpec, fail
 from . import _constants as C
 
 __all__ = ["LlmEmbeddingSpec"]
@@ -63,19 +63,12 @@ class LlmEmbeddingSpec(LlmBatchSpec):
             if "prompt" in settings:
                 raise LlmBatchConfigError(description="text: set text or prompt, not both")
             settings["prompt"] = settings.pop("text")
-        prompt = settings.get("prompt")
-        if isinstance(prompt, str):
-            settings["prompt"] = {"template": prompt}
         try:
-            return cls.model_validate(settings)
-        except ValidationError as exc:
-            description = describe(exc)
-        except LlmBatchConfigError as exc:
-            description = exc.description
-        # The chat spec's errors name its prompt: here it is `text`.
-        raise LlmBatchConfigError(
-            description=re.sub(r"(?m)^prompt(\.template)?", "text", description)
-        ) from None
+            return super().parse(**settings)  # type: ignore[return-value]
+        except LlmBatchConfigError as exc:  # the chat spec's errors name its prompt: here `text`
+            raise LlmBatchConfigError(
+                description=re.sub(r"(?m)^prompt(\.template)?", "text", exc.description)
+            ) from None
 
     @model_validator(mode="after")
     def _check_embedding(self) -> LlmEmbeddingSpec:
