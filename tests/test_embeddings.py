@@ -224,3 +224,20 @@ def test_a_partition_embeds_into_a_bigquery_array_column_and_a_rerun_sends_nothi
     again = dg.materialize([a], resources=resources, partition_key=DAY, raise_on_error=False)
     assert again.success and metadata(again)["run/rows_skipped"] == len(rows)
     assert fresh_sim.stats()["received"] == sent
+
+
+def test_a_spend_cap_holds_each_pack_and_stops_the_rest_budget_exhausted(fresh_sim, db):
+    """budget_usd (issue 30) holds a pack's worst case before it goes: the run stops within the
+    cap, the unsent rows are recorded budget_exhausted for a rerun with more budget."""
+    price = 0.02 / 1e6  # text-embedding-3-small, USD per token
+    budget = 3 * 30 * 11 * price  # about three packs of 30 headlines
+    a = asset(max_inputs_per_request=30, max_failed_fraction=1.0)
+    result = materialize(a, fresh_sim, db, price_as_model="gpt-4o-mini", budget_usd=budget)
+    assert not result.success  # a partition the caps stopped fails, naming the cap
+    message = result.get_step_failure_events()[0].step_failure_data.error.message
+    assert "budget_usd" in message
+    got = outcomes(db)
+    assert got.get("ok", 0) >= 30 and got.get("budget_exhausted", 0) > 0
+    assert sum(got.values()) == PER_DAY
+    [(paid,)] = query(db, "SELECT sum(cost_usd) FROM news_embeddings")
+    assert paid <= budget and fresh_sim.stats()["admitted_tokens"] * price <= budget

@@ -20,7 +20,9 @@ import functools
 from datetime import UTC, datetime
 from typing import Any
 
+from ..assets.batch_budget import BatchBudget
 from ..assets.batch_mode import BatchPartitionRun
+from ..assets.batch_pending import PendingLines
 from ..assets.batch_results import BatchRows, custom_id
 from ..assets.pricing import cost_usd, price_for_resource
 from ..assets.template_breaker import TemplateBreaker
@@ -88,19 +90,16 @@ def _one_vector(body: Any, headers: dict[str, str], *, dims: int | None) -> Any:
     return decode(body, headers, 1, dims)
 
 
-class EmbeddingBatchRun(BatchPartitionRun):
-    """One partition of an embedding asset in batch mode (see the module)."""
+class EmbeddingPendingLines(PendingLines):
+    """The chat batch mode's pending rows (done rows skipped, identical texts sent once, stored
+    vectors reused), each made into an embeddings line."""
 
     spec: EmbeddingRunSpec
 
     def __init__(self, spec: EmbeddingRunSpec, llm: Any, *args: Any, **kw: Any) -> None:
         super().__init__(spec, llm, *args, **kw)
         self.max_tokens = 0  # an embedding has no answer budget
-        self.rows = EmbeddingBatchRows(
-            llm, self.model, self.partition_key, self.s.price_factor, spec.dimensions
-        )
-        self.stats = self.rows.stats
-        self.price = self.rows.price
+        self.reuse = spec.reuse_answers is not False  # the same text gives the same vector
         limit = spec.max_input_tokens or C.MAX_INPUT_TOKENS
         self.limits = PackLimits(
             max_inputs=1,
@@ -111,7 +110,7 @@ class EmbeddingBatchRun(BatchPartitionRun):
         )
         if spec.truncate:
             self.max_prompt_chars = None  # cut, not refused
-        self.identity: dict[str, Any] = {"model": self.model}
+        self.identity: dict[str, Any] = {"model": self.model}  # as the live reader's (run.py)
         if spec.dimensions is not None:
             self.identity["dimensions"] = spec.dimensions
         if spec.truncate:
@@ -121,9 +120,6 @@ class EmbeddingBatchRun(BatchPartitionRun):
             self.body["encoding_format"] = "float"
         if spec.dimensions is not None:
             self.body["dimensions"] = spec.dimensions
-
-    def _metadata(self, record: dict[str, Any]) -> dict[str, str]:
-        return {**super()._metadata(record), ENDPOINT_TAG: ENDPOINT}
 
     def _line(
         self,
@@ -166,5 +162,37 @@ class EmbeddingBatchRun(BatchPartitionRun):
             self.finalized.add(rid)
             failed.append(self.rows.failed(rid, rhash, *item.error))
             return None
-        self._items[cid] = (rid, rhash)
+        self.items[cid] = (rid, rhash)
         return BatchLine(cid, {**self.body, "input": item.text}, item.tokens, url=ENDPOINT)
+
+
+class EmbeddingBatchRun(BatchPartitionRun):
+    """One partition of an embedding asset in batch mode (see the module)."""
+
+    spec: EmbeddingRunSpec
+
+    def __init__(
+        self, spec: EmbeddingRunSpec, llm: Any, session: Any, where: Any, *a: Any, **kw: Any
+    ):
+        super().__init__(spec, llm, session, where, *a, **kw)
+        self.rows = EmbeddingBatchRows(
+            llm, self.model, self.partition_key, self.s.price_factor, spec.dimensions
+        )
+        self.lines = EmbeddingPendingLines(
+            spec,
+            llm,
+            session,
+            where,
+            partition_key=self.partition_key,
+            state_table=self.state_table,
+            asset=self.asset,
+            rows=self.rows,
+        )
+        self.max_tokens = 0
+        self.stats = self.rows.stats
+        self.finalized = self.lines.finalized
+        self.price = self.rows.price
+        self.budget = BatchBudget(self)  # priced at the embedding batch price
+
+    def _metadata(self, record: dict[str, Any]) -> dict[str, str]:
+        return {**super()._metadata(record), ENDPOINT_TAG: ENDPOINT}

@@ -10,6 +10,7 @@ request identity, engine/identity.py's scope); the engine the run holds is an Em
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ..assets.pricing import cost_usd, price_for_resource, served_model
 from ..assets.prompt import CHARS_PER_TOKEN
 from ..assets.reader import SliceReader, _Stopped
 from ..assets.writer import ChunkWriter, storable
+from ..engine.budget import Cost
 from ..engine.engine import Engine
 from ..engine.errors import redact
 from ..engine.identity import request_identity
@@ -184,11 +186,13 @@ class EmbeddingPartitionRun(PartitionRun):
         deliver = super()._deliverer(writer, failed, engine)
         return lambda rows: deliver([_listed(r) for r in rows])
 
-    def _priced(self) -> None:
-        """Priced at the embedding model's list price (also on a stand-in for a chat model)."""
+    def _priced(self) -> Cost | None:
+        """Priced at the embedding model's list price (also on a stand-in for a chat model);
+        the cost of a request, for the spend caps."""
         self.price = price_for_resource(self.llm, self.model, logger=self.log, as_itself=True)
         self.stats.cost_usd = 0.0 if self.price is not None else None
         self.served_model = self.llm.served_name(self.model)
+        return functools.partial(cost_usd, self.price) if self.price is not None else None
 
     def _row(self, r: EmbeddingResult, now: datetime) -> dict[str, Any]:  # type: ignore[override]
         cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)

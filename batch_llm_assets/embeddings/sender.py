@@ -19,10 +19,11 @@ from typing import Any
 
 from ..engine import errors as E
 from ..engine.breaker import Breaker
+from ..engine.budget import Refused, SpendCap
 from ..engine.engine import Engine
-from ..engine.engine import _Attempts as _State  # a pack's attempts: a chat request's fields
 from ..engine.gate import held
 from ..engine.limiter import Grant
+from ..engine.requests import Attempts as _State  # a pack's attempts: a request's fields
 from ..engine.requests import backoff_delay
 from ..engine.runner import run_concurrently
 from . import _constants as C
@@ -64,6 +65,10 @@ class EmbeddingSender:
     @property
     def breaker(self) -> Breaker:
         return self.engine.breaker
+
+    @property
+    def budget(self) -> SpendCap | None:
+        return self.engine.budget
 
     @property
     def aborted_reason(self) -> str | None:
@@ -141,11 +146,17 @@ class EmbeddingSender:
             if isinstance(slot, list):
                 return slot
             grant, reserve = slot
-            st.attempt += 1
             t = eng.s.request_timeout_s
             timeout = eng.gate.timeout(t) if eng.gate else t
             if deadline is not None:
                 timeout = max(0.001, min(timeout, deadline - time.monotonic()))
+            # The spend caps (engine/budget.py) hold the pack's worst case while it is out.
+            spend = await eng.budget.hold(st.estimate, 0, timeout) if eng.budget else None
+            if isinstance(spend, Refused):
+                if eng.pacer is not None:
+                    await eng.pacer.give_back(grant)
+                return self._failed(items, st, spend.error_class, spend.message)
+            st.attempt += 1
             started = time.perf_counter()
             st.first_send = st.first_send or started
             mark = eng.pacer.sent(st.estimate, 0) if eng.pacer is not None else None
@@ -156,6 +167,8 @@ class EmbeddingSender:
                 answer = decode(payload, headers, len(items), self.dims)
             except E.ProviderError as exc:
                 st.last = answer = exc
+            if spend is not None:  # charged its hold: the pack's tokens (no answer budget)
+                await eng.budget.settle(spend, answer)  # type: ignore[union-attr]
             if eng.gate is not None:
                 eng.gate.observe(started, answer)
             if isinstance(answer, EmbeddingAnswer) and eng.pacer is not None and mark is not None:
