@@ -131,23 +131,10 @@ class EmbeddingPendingLines(PendingLines):
     ) -> BatchLine | None:
         """The row's line; None when it is done, in an open batch, or failed unsent (then its
         row is in `failed`)."""
-        src = self.spec.source
-        rid = row[src.id_column]
-        if rid in self.finalized:
+        rendered = self._rendered(row, failed, breaker)
+        if rendered is None:
             return None
-        if not isinstance(rid, int | str):
-            raise E.BatchLLMError(
-                description=f"Batch mode needs integer or string ids; {src.id_column!r} of "
-                f"{src.table!r} holds {type(rid).__name__} values. Use live mode."
-            )
-        messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-        if problem is not None:
-            self.finalized.add(rid)
-            failed.append(self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent"))
-            if breaker.observe(*problem) and breaker.error is not None:
-                raise breaker.error  # the rows failed so far are written on the way out
-            return None
-        breaker.observe(None, None)
+        rid, messages = rendered
         text = messages[-1]["content"]
         rhash = request_identity({**self.identity, "input": text}, self.scopes[0])
         cid = custom_id(rid, rhash)
