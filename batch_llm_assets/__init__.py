@@ -11,6 +11,7 @@ from .assets import (
     select_partitions,
     source_table_spec,
 )
+from .embeddings import build_llm_embedding_asset
 from .engine import ChatRequest, ChatResult, RedisLimiter
 from .resources import DuckDBWarehouse, LLMResource
 
@@ -26,6 +27,7 @@ __all__ = [
     "SourceTable",
     "build_estimate_job",
     "build_llm_batch_asset",
+    "build_llm_embedding_asset",
     "estimate_cost",
     "select_partitions",
     "source_table_spec",

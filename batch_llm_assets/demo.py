@@ -38,6 +38,16 @@ telemetry:
 STOP_GRACE_S = 10.0
 DEMO_POOL = "duckdb/demo"  # the demo asset's pool (defs/headline_sentiment/defs.yaml)
 ASSET = "headline_sentiment"
+EMBED_ASSET = "headline_embeddings"  # defs/headline_embeddings: `make demo` embeds one partition
+# The README's similarity query: the two closest distinct headlines of a partition.
+CLOSEST_SQL = """
+SELECT ha.headline, hb.headline, list_cosine_similarity(a.embedding, b.embedding) AS cosine
+FROM news_embeddings a JOIN news_embeddings b
+  ON a.partition_key = b.partition_key AND a.id < b.id
+JOIN news_headlines ha ON ha.id = a.id JOIN news_headlines hb ON hb.id = b.id
+WHERE a.partition_key = ? AND ha.headline <> hb.headline
+ORDER BY cosine DESC LIMIT 1
+"""
 # The simulator plays a provider key with these limits; the resource is told the same.
 DEMO_RPM = 3000
 DEMO_TPM = 120_000
@@ -76,12 +86,12 @@ def _prepare() -> None:
     print(f"dataset: {rows} synthetic headlines in {DEMO_DIR / 'warehouse.duckdb'}", flush=True)
 
 
-def _latest_metadata(partition: str) -> dict[str, float | int | str]:
+def _latest_metadata(partition: str, asset: str = ASSET) -> dict[str, float | int | str]:
     import dagster as dg
 
     instance = dg.DagsterInstance.get()
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(ASSET), asset_partitions=[partition]), limit=1
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1
     ).records
     if not records:
         return {}
@@ -103,14 +113,9 @@ def run(partitions: int) -> int:
         for key in keys:
             before = sim.stats()
             started = time.monotonic()
-            cmd = [_dg(), "launch", "--assets", ASSET, "--partition", key]
-            print(f"$ dg launch --assets {ASSET} --partition {key}", flush=True)
-            proc = subprocess.run(cmd, env=env, cwd=PROJECT_DIR, capture_output=True, text=True)
+            if code := _launch(ASSET, key, env):
+                return code
             elapsed = time.monotonic() - started
-            if proc.returncode != 0:
-                sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-                print(f"partition {key} failed (exit {proc.returncode})", file=sys.stderr)
-                return proc.returncode
             after = sim.stats()
             os.environ["DAGSTER_HOME"] = env["DAGSTER_HOME"]
             md = _latest_metadata(key)
@@ -135,6 +140,8 @@ def run(partitions: int) -> int:
                     else None,
                 }
             )
+        if code := _embed(sim, env, keys[0]):
+            return code
     (DEMO_DIR / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_table(summary)
     print(_requests_line(summary))
@@ -142,6 +149,55 @@ def run(partitions: int) -> int:
         f"\nwritten: {DEMO_DIR / 'summary.json'}; results in table news_sentiment of "
         f"{DEMO_DIR / 'warehouse.duckdb'}"
     )
+    return 0
+
+
+def _launch(asset: str, key: str, env: dict[str, str]) -> int:
+    """`dg launch` of one partition of `asset`; its exit code (its output shown if it failed)."""
+    cmd = [_dg(), "launch", "--assets", asset, "--partition", key]
+    print(f"$ dg launch --assets {asset} --partition {key}", flush=True)
+    proc = subprocess.run(cmd, env=env, cwd=PROJECT_DIR, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        print(f"partition {key} of {asset} failed (exit {proc.returncode})", file=sys.stderr)
+    return proc.returncode
+
+
+def _embed(sim: SimulatorProcess, env: dict[str, str], key: str) -> int:
+    """Embed one partition's headlines (defs/headline_embeddings), print its figures, counted
+    at the provider, and the two closest distinct headlines; write them to embeddings.json."""
+    before = sim.stats()
+    if code := _launch(EMBED_ASSET, key, env):
+        return code
+    after = sim.stats()
+    md = _latest_metadata(key, EMBED_ASSET)
+    figures = {
+        "partition": key,
+        "rows_ok": md.get("partition/rows_ok"),
+        "rows_skipped": md.get("run/rows_skipped"),
+        "requests": after.get("received", 0) - before.get("received", 0),
+        "texts_sent": after.get("embedding_inputs", 0) - before.get("embedding_inputs", 0),
+        "prompt_tokens": md.get("run/prompt_tokens"),
+        "cost_usd": md.get("run/cost_usd"),
+        "wall_s": md.get("run/wall_s"),
+    }
+    (DEMO_DIR / "embeddings.json").write_text(json.dumps(figures, indent=2))
+    cost = figures["cost_usd"]
+    print(
+        f"\nembeddings of {key}: {figures['rows_ok']} rows in news_embeddings, "
+        f"{figures['rows_skipped']} skipped as done; {figures['texts_sent']} distinct texts sent "
+        f"in {figures['requests']} request(s), {figures['prompt_tokens']} tokens, cost "
+        + (f"${cost:.6f}" if isinstance(cost, int | float) else "not priced")
+    )
+    import duckdb
+
+    con = duckdb.connect(env["BATCH_LLM_DUCKDB"], read_only=True)
+    try:
+        pair = con.execute(CLOSEST_SQL, [key]).fetchone()
+    finally:
+        con.close()
+    if pair:
+        print(f"closest headlines (cosine {pair[2]:.3f}): {pair[0]!r} ~ {pair[1]!r}")
     return 0
 
 

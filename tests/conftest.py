@@ -130,6 +130,9 @@ def fresh_sim(sim):
         decode_slots=0,
         decode_slowdown=0.0,
         flex_unavailable=0.0,
+        embedding_max_inputs=2048,
+        embedding_max_input_tokens=8192,
+        embedding_max_request_tokens=300_000,
     )
     sim.reset()
     return sim

@@ -257,22 +257,28 @@ def _command(tmp_path, sim, db):
     return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
 
 
-def test_sigkill_while_waiting_then_rerun_resumes_without_resubmitting(bsim, db, tmp_path):
-    batch_config(bsim, completion_s=120.0)  # the batch stays in progress while the run polls
-    cmd, env = _command(tmp_path, bsim, db)
+def kill_while_polling_then_rerun(sim, cmd, env) -> None:
+    """Run `cmd` until its batch is submitted and polled, SIGKILL it, let the provider finish
+    the batch, run `cmd` again to its end."""
+    batch_config(sim, completion_s=120.0)  # the batch stays in progress while the run polls
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 120
-    while bsim.stats().get("batches_retrieved", 0) < 2:  # submitted, and polling
+    while sim.stats().get("batches_retrieved", 0) < 2:  # submitted, and polling
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert bsim.stats()["batches_created"] == 1
-    batch_config(bsim, completion_s=0.5)  # the provider finishes the batch meanwhile
+    assert sim.stats()["batches_created"] == 1
+    batch_config(sim, completion_s=0.5)  # the provider finishes the batch meanwhile
     final = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-2000:]
+
+
+def test_sigkill_while_waiting_then_rerun_resumes_without_resubmitting(bsim, db, tmp_path):
+    cmd, env = _command(tmp_path, bsim, db)
+    kill_while_polling_then_rerun(bsim, cmd, env)
     stats = bsim.stats()
     assert (stats["files_uploaded"], stats["batches_created"]) == (1, 1)
     assert stats["batch_lines_submitted"] == PER_DAY == stats["batch_lines_processed"]
@@ -655,7 +661,7 @@ def test_the_batch_client_and_the_simulator_batch_routes_import_no_dagster():
     root = Path(batch_llm_assets.__file__).parent
     allowed = {
         "engine/batch_api.py": {"errors", "transport", "requests"},
-        "simulator/batch.py": {"engine.tokens", "server", "structured", "content"},
+        "simulator/batch.py": {"engine.tokens", "server", "structured", "content", "embeddings"},
     }
     for rel, ours in allowed.items():
         for node in ast.walk(ast.parse((root / rel).read_text())):

@@ -182,7 +182,9 @@ def test_yaml_and_python_build_the_same_asset(ok_defs):
 
 def test_the_demo_folder_declares_the_former_python_demo_asset():
     demo = load_defs_folder("batch_llm_assets.defs")
-    (asset,) = by_key(demo).values()
+    assets = by_key(demo)
+    assert set(assets) == {dg.AssetKey("headline_sentiment"), dg.AssetKey("headline_embeddings")}
+    asset = assets[dg.AssetKey("headline_sentiment")]
     end = (date.fromisoformat(DEMO_START) + timedelta(days=DEMO_DAYS)).isoformat()
     assert asset.partitions_def == dg.DailyPartitionsDefinition(start_date=DEMO_START, end_date=end)
     md = asset.specs_by_key[asset.key].metadata
@@ -270,11 +272,11 @@ def load_attributes(tmp_path, monkeypatch):
     """Write a defs folder with one component of these attributes, then load it."""
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    def load(attributes: dict) -> dg.Definitions:
+    def load(attributes: dict, kind: str = "LlmBatchComponent") -> dg.Definitions:
         package = f"defs_{uuid.uuid4().hex[:8]}"
         folder = Path(tmp_path, package, "component")
         folder.mkdir(parents=True)
-        doc = {"type": "batch_llm_assets.components.LlmBatchComponent", "attributes": attributes}
+        doc = {"type": f"batch_llm_assets.components.{kind}", "attributes": attributes}
         (folder / "defs.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         importlib.invalidate_caches()
         try:

@@ -37,6 +37,10 @@ def test_a_rerun_of_the_demo_sends_no_request_and_says_so(tmp_path):
     first = _demo_run(env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     [one] = json.loads((demo / "summary.json").read_text())
+    # The demo embeds the first partition too, many headlines per request.
+    embedded = json.loads((demo / "embeddings.json").read_text())
+    assert embedded["rows_ok"] == one["rows_in"] and 0 < 50 * embedded["requests"] <= one["rows_in"]
+    assert "closest headlines (cosine" in first.stdout
     # The demo's headlines repeat: identical requests are sent once (the others share them).
     assert one["rows_in"] > 0 and 0 < one["requests"] <= one["rows_in"] == one["rows_ok"]
     second = _demo_run(env)
@@ -45,3 +49,5 @@ def test_a_rerun_of_the_demo_sends_no_request_and_says_so(tmp_path):
     assert (two["requests"], two["rows_skipped"]) == (0, one["rows_in"])  # counted at the provider
     assert two["rows_ok"] == one["rows_in"]
     assert "requests sent to the provider: 0 (every row was already done" in second.stdout
+    again = json.loads((demo / "embeddings.json").read_text())
+    assert (again["requests"], again["rows_skipped"]) == (0, one["rows_in"])

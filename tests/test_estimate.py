@@ -42,7 +42,8 @@ STEP_TIMEOUT_S = 120  # one CLI process: loading Dagster and the demo definition
 def demo_asset() -> dg.AssetsDefinition:
     """The demo's asset as its YAML declares it (typed output, temperature 0, max_tokens 24)."""
     defs = load_defs_folder("batch_llm_assets.defs")
-    return next(a for a in defs.assets or [] if isinstance(a, dg.AssetsDefinition))
+    key = dg.AssetKey("headline_sentiment")
+    return next(a for a in defs.assets or [] if isinstance(a, dg.AssetsDefinition) and a.key == key)
 
 
 def llm(sim) -> LLMResource:

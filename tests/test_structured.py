@@ -516,7 +516,7 @@ def test_the_demo_asset_declares_label_and_confidence(ssim, db):
     (demo,) = [
         a
         for a in load_defs_folder("batch_llm_assets.defs").assets or []
-        if isinstance(a, dg.AssetsDefinition)
+        if isinstance(a, dg.AssetsDefinition) and a.key == dg.AssetKey("headline_sentiment")
     ]
     columns = {
         c.name: c for c in demo.specs_by_key[demo.key].metadata["dagster/column_schema"].columns

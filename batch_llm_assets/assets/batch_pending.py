@@ -162,24 +162,10 @@ class PendingLines:
     ) -> BatchLine | None:
         """The row's batch line; None when it is done, in an open batch, or failed unsent
         (then its row is in `failed`)."""
-        src = self.spec.source
-        rid = row[src.id_column]
-        if rid in self.finalized:
+        rendered = self._rendered(row, failed, breaker)
+        if rendered is None:
             return None
-        if not isinstance(rid, int | str):
-            raise E.BatchLLMError(
-                description=f"Batch mode needs integer or string ids; {src.id_column!r} "
-                f"of {src.table!r} holds {type(rid).__name__} values. Use live mode or "
-                "an integer or string id column."
-            )
-        messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-        if problem is not None:
-            self.finalized.add(rid)
-            failed.append(self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent"))
-            if breaker.observe(*problem) and breaker.error is not None:
-                raise breaker.error  # the rows failed so far are written on the way out
-            return None
-        breaker.observe(None, None)
+        rid, messages = rendered
         shaped: dict[str, Any] = {}
         key = {**self.params, "model": self.model, "messages": messages}  # identity: reader.py
         if (schema := self.spec.output_schema) is not None:
@@ -207,6 +193,31 @@ class PendingLines:
             return None
         self.items[cid] = (rid, rhash)
         return BatchLine(cid, body, tokens)
+
+    def _rendered(
+        self, row: dict[str, Any], failed: list[dict[str, Any]], breaker: TemplateBreaker
+    ) -> tuple[Any, list[dict[str, str]]] | None:
+        """(row id, rendered messages); None for a row this run finished or that fails to
+        render (its row then in `failed`)."""
+        src = self.spec.source
+        rid = row[src.id_column]
+        if rid in self.finalized:
+            return None
+        if not isinstance(rid, int | str):
+            raise E.BatchLLMError(
+                description=f"Batch mode needs integer or string ids; {src.id_column!r} "
+                f"of {src.table!r} holds {type(rid).__name__} values. Use live mode or "
+                "an integer or string id column."
+            )
+        messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
+        if problem is not None:
+            self.finalized.add(rid)
+            failed.append(self.rows.failed(rid, None, problem[0], f"{problem[1]}; not sent"))
+            if breaker.observe(*problem) and breaker.error is not None:
+                raise breaker.error  # the rows failed so far are written on the way out
+            return None
+        breaker.observe(None, None)
+        return rid, messages
 
     def _too_long(self, rid: Any, rhash: str, tokens: int) -> dict[str, Any]:
         message = (

@@ -21,6 +21,7 @@ from ..engine.batch_api import (
 )
 from ..engine.engine import ChatResult
 from ..engine.outcome import classify_answer
+from ..engine.transport import parse_completion
 from ..resources.llm import LLMResource
 from ..warehouses.base import SliceFilter, Warehouse, check_table
 from .checks import PartitionOutcome, check_results, failure_reason, judge_partition
@@ -90,6 +91,8 @@ class BatchStats(RunStats):
 
 class BatchRows:
     """Builds output rows (the live mode's columns) and counts them into the stats."""
+
+    parse_body: Any = staticmethod(parse_completion)  # an output line's body -> its record
 
     def __init__(
         self,
@@ -168,7 +171,7 @@ class BatchRows:
             return [self.failed(i, h, code, message) for i, h in items.values()]
         rows, reached = [], set()
         for rec in records:
-            line = parse_output_line(rec, secret)
+            line = parse_output_line(rec, secret, self.parse_body)
             if line.custom_id in items and line.processed:
                 reached.add(line.custom_id)
                 rid, rhash = items[line.custom_id]
@@ -276,13 +279,15 @@ def materialize_batch_partition(
     max_failed_fraction: float,
     checks: bool = True,
     warn_failed_fraction: float,
+    run_class: type | None = None,
 ) -> dg.MaterializeResult:
-    """The asset body in batch mode: run the partition, then metadata and the failure check."""
+    """The asset body in batch mode: run the partition with `run_class` (None: the chat
+    BatchPartitionRun), then metadata and the failure check."""
     from .batch_mode import BatchPartitionRun
 
     output = spec.output.name
     with warehouse.session() as session:
-        run = BatchPartitionRun(
+        run = (run_class or BatchPartitionRun)(
             spec,
             llm,
             session,

@@ -17,7 +17,7 @@ from .batch_results import materialize_batch_partition
 from .checks import DEFAULT_WARN_FAILED_FRACTION, check_specs
 from .lineage import asset_kinds, definition_metadata, source_key
 from .partitions import partition_source, run_partition
-from .pipeline import RunSpec
+from .pipeline import PartitionRun, RunSpec
 from .prompt import DEFAULT_RENDER_TIMEOUT_S, CompiledPrompt, Prompt
 from .schema import output_table
 from .spec import (
@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_MAX_FAILED_FRACTION",
     "TABLE_PER_PARTITION",
     "SourceTable",
+    "Task",
     "build_asset_from_spec",
     "build_llm_batch_asset",
     "run_spec_for",
@@ -58,6 +59,17 @@ class SourceTable:
     partition_column: str | None = None
     columns: Sequence[str] = field(default_factory=tuple)
     column_types: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What an asset's partitions run when not chat answers: the run spec, the live and the
+    batch partition runs, and the definition's metadata."""
+
+    run_spec: RunSpec
+    run_class: type[PartitionRun]
+    batch_run_class: type
+    metadata: Mapping[str, Any]
 
 
 def build_llm_batch_asset(
@@ -164,9 +176,11 @@ def build_asset_from_spec(
     *,
     partitions_def: dg.PartitionsDefinition | None = None,
     extra_deps: Sequence[dg.AssetKey] = (),
+    task: Task | None = None,
 ) -> dg.AssetsDefinition:
-    """The asset of a validated spec (the Python builder and the YAML component both end here)."""
-    run_spec = run_spec_for(spec)
+    """The asset of a validated spec (the Python builder and the YAML component both end here).
+    `task`: what its partitions run, when not chat answers (embeddings/factory.py)."""
+    run_spec = task.run_spec if task is not None else run_spec_for(spec)
     typed = run_spec.output_schema
     llm_key, warehouse_key = spec.llm_resource_key, spec.warehouse_resource_key
     asset_key = dg.AssetKey([*(spec.key_prefix or []), spec.name])
@@ -191,7 +205,7 @@ def build_asset_from_spec(
         # partition of a range, and required check outputs would take one result per step.
         asset = dg.multi_asset(
             name=asset_key.to_python_identifier(),
-            specs=[_asset_spec(spec, asset_key, extra_deps)],
+            specs=[_asset_spec(spec, asset_key, extra_deps, task)],
             partitions_def=pdef,
             backfill_policy=spec.backfill_policy(),
             pool=spec.pool_name,
@@ -207,19 +221,23 @@ def build_asset_from_spec(
         if spec.mode == "batch" and (not partitioned or len(context.partition_keys) == 1):
             key = context.partition_key if partitioned else None
             # the Batch API path (assets/batch_mode.py)
-            yield _run_batch_partition(context, key, llm, warehouse, run_spec, spec)
+            yield _run_batch_partition(context, key, llm, warehouse, run_spec, spec, task)
             return
-        yield from _run_partitions(context, llm, warehouse, run_spec, spec)
+        yield from _run_partitions(context, llm, warehouse, run_spec, spec, task)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         built = asset(_asset)
-    _SPECS[built.node_def] = spec
+    if task is None:  # what the estimate reads: chat answers only
+        _SPECS[built.node_def] = spec
     return built
 
 
 def _asset_spec(
-    spec: LlmBatchSpec, asset_key: dg.AssetKey, extra_deps: Sequence[dg.AssetKey]
+    spec: LlmBatchSpec,
+    asset_key: dg.AssetKey,
+    extra_deps: Sequence[dg.AssetKey],
+    task: Task | None,
 ) -> dg.AssetSpec:
     deps = [
         *(dg.AssetKey.from_user_string(d) for d in spec.deps or []),
@@ -236,7 +254,7 @@ def _asset_spec(
         tags=dict(spec.tags or {}),
         owners=list(spec.owners) if spec.owners else None,
         kinds=asset_kinds(spec),
-        metadata=definition_metadata(spec),
+        metadata=dict(task.metadata) if task is not None else definition_metadata(spec),
     )
 
 
@@ -277,6 +295,7 @@ def _run_partitions(
     warehouse: Warehouse,
     run_spec: RunSpec,
     spec: LlmBatchSpec,
+    task: Task | None = None,
 ) -> Iterator[Any]:
     """Each partition of the run (one, or a range: partitions_per_run > 1, or None as
     `dg launch --partition-range` needs) runs on its own and records its own materialization
@@ -286,7 +305,8 @@ def _run_partitions(
     failed: list[str] = []
     for key in keys:
         try:
-            outcome = run_partition(context, key, llm, warehouse, run_spec, spec)
+            run_class = task.run_class if task is not None else PartitionRun
+            outcome = run_partition(context, key, llm, warehouse, run_spec, spec, run_class)
         except dg.Failure as exc:  # could not run: nothing to judge, no checks
             if len(keys) == 1:
                 raise
@@ -314,6 +334,7 @@ def _run_batch_partition(
     warehouse: Warehouse,
     run_spec: RunSpec,
     spec: LlmBatchSpec,
+    task: Task | None = None,
 ) -> dg.MaterializeResult:
     pdef = context.assets_def.partitions_def
     where, partition_key, run_spec = partition_source(pdef, key, run_spec, spec)
@@ -328,4 +349,5 @@ def _run_batch_partition(
         max_failed_fraction=spec.max_failed_fraction,
         checks=spec.checks,
         warn_failed_fraction=spec.warn_failed_fraction,
+        run_class=task.batch_run_class if task is not None else None,
     )

@@ -63,15 +63,16 @@ def run_partition(
     warehouse: Warehouse,
     run_spec: RunSpec,
     spec: LlmBatchSpec,
+    run_class: type[PartitionRun] = PartitionRun,
 ) -> PartitionOutcome:
-    """Run one partition (or the whole table), judged on the partition as the output table now
-    holds it. Raises dg.Failure only when it could not run (nothing to judge)."""
+    """Run one partition (or the whole table) with `run_class`, judged on the partition as the
+    output table now holds it. Raises dg.Failure only when it could not run (nothing to judge)."""
     pdef = context.assets_def.partitions_def
     where, partition_key, run_spec = partition_source(pdef, key, run_spec, spec)
     try:
         check_flex(llm, run_spec.model or llm.model, {**llm.params, **run_spec.params}, context.log)
         with warehouse.session() as session:
-            run = PartitionRun(
+            run = run_class(
                 run_spec,
                 llm,
                 session,

@@ -116,12 +116,14 @@ def _flex_rates(model: str, provider_id: str | None) -> tuple[float, float, floa
 
 
 def price_for_resource(
-    llm: Any, model: str, *, batch: bool = False, logger: Any = None
+    llm: Any, model: str, *, batch: bool = False, logger: Any = None, as_itself: bool = False
 ) -> Price | None:
     """`price_for` with an LLMResource's price overrides, endpoint and provider (the setting,
     else what the server said it is when the engine opened); with `price_as_model`, the list
-    price of that model instead (a stand-in such as the simulator)."""
+    price of that model instead (a stand-in such as the simulator), or with `as_itself` the
+    list price of `model` (an embedding model on a stand-in that plays a chat model)."""
     as_model = getattr(llm, "price_as_model", None)
+    as_model = model if as_model and as_itself else as_model
     if as_model and llm.price_input_per_1m is None:
         context = _BATCH if batch else None
         rates = _library_rates(as_model, "openai", context) or _library_rates(

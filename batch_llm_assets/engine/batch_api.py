@@ -26,6 +26,9 @@ from .requests import backoff_delay
 from .transport import ChatResponse, error_from_body, parse_completion
 
 CHAT_ENDPOINT = "/v1/chat/completions"
+# The batch's metadata key naming its endpoint when it is not CHAT_ENDPOINT (one endpoint per
+# batch: the OpenAI batches reference, `endpoint`).
+ENDPOINT_TAG = "bla_endpoint"
 COMPLETION_WINDOW = "24h"
 DEFAULT_MAX_FILE_REQUESTS = 50_000
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
@@ -47,9 +50,10 @@ class BatchLine:
     custom_id: str
     body: dict[str, Any]
     tokens: int = 0  # estimated: prompt + answer budget, for the enqueued-token limit
+    url: str = CHAT_ENDPOINT
 
     def encode(self) -> bytes:
-        record = {"custom_id": self.custom_id, "method": "POST", "url": CHAT_ENDPOINT}
+        record = {"custom_id": self.custom_id, "method": "POST", "url": self.url}
         return json.dumps(record | {"body": self.body}, separators=(",", ":")).encode() + b"\n"
 
 
@@ -93,8 +97,11 @@ class LineResult:
     processed: bool = True
 
 
-def parse_output_line(record: dict[str, Any], secret: str = "") -> LineResult:
-    """A line of an output or error file as the live path would have seen the same answer."""
+def parse_output_line(
+    record: dict[str, Any], secret: str = "", parse: Any = parse_completion
+) -> LineResult:
+    """A line of an output or error file as the live path would have seen the same answer
+    (`parse`: the answer's body -> its record, a chat completion's by default)."""
     custom_id = str(record.get("custom_id"))
     error = record.get("error")
     response = record.get("response")
@@ -110,7 +117,7 @@ def parse_output_line(record: dict[str, Any], secret: str = "") -> LineResult:
         failure = error_from_body(status, json.dumps(body), {}, secret)
         return LineResult(custom_id, error_class=failure.error_class, error_message=failure.message)
     try:
-        return LineResult(custom_id, response=parse_completion(body, {}))
+        return LineResult(custom_id, response=parse(body, {}))
     except ProviderError as exc:
         return LineResult(custom_id, error_class=exc.error_class, error_message=exc.message)
 
@@ -199,7 +206,7 @@ class BatchClient:
     async def create(self, input_file_id: str, metadata: dict[str, str]) -> dict[str, Any]:
         body = {
             "input_file_id": input_file_id,
-            "endpoint": CHAT_ENDPOINT,
+            "endpoint": metadata.get(ENDPOINT_TAG, CHAT_ENDPOINT),
             "completion_window": COMPLETION_WINDOW,
             "metadata": metadata,
         }

@@ -47,6 +47,10 @@ class ChatResponse:
 class ChatTransport(Protocol):
     async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse: ...
 
+    async def embed(self, body: dict[str, Any], timeout: float) -> tuple[Any, dict[str, str]]:
+        """POST /embeddings: (the answer's JSON, its headers), or ProviderError."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -178,13 +182,13 @@ class AiohttpTransport:
         self._secret = api_key
         base = base_url.rstrip("/")
         if api_version:  # Azure OpenAI: the model names the deployment
-            self._url = f"{base}/openai/deployments/{model}/chat/completions"
+            base = f"{base}/openai/deployments/{model}"
             self._params = {"api-version": api_version}
             auth = {"api-key": api_key}
         else:
-            self._url = f"{base}/chat/completions"
             self._params = None
             auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._url, self._embed_url = f"{base}/chat/completions", f"{base}/embeddings"
         self._headers = {"Content-Type": "application/json", **auth, **(extra_headers or {})}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -205,10 +209,18 @@ class AiohttpTransport:
         return self._timeout_obj
 
     async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse:
+        return parse_completion(*await self._post(self._url, body, timeout))
+
+    async def embed(self, body: dict[str, Any], timeout: float) -> tuple[Any, dict[str, str]]:
+        return await self._post(self._embed_url, body, timeout)
+
+    async def _post(
+        self, url: str, body: dict[str, Any], timeout: float
+    ) -> tuple[Any, dict[str, str]]:
         session = self._session or self._get_session()
         try:
             async with session.post(
-                self._url,
+                url,
                 data=_dumps(body),
                 params=self._params,
                 timeout=self._timeout(timeout),
@@ -234,7 +246,7 @@ class AiohttpTransport:
                 status=status,
                 retryable=True,
             ) from exc
-        return parse_completion(payload, headers)
+        return payload, headers
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -295,15 +307,22 @@ class OpenAISDKTransport:
             self._client = openai.AsyncOpenAI(base_url=base_url, **common)
 
     async def chat(self, body: dict[str, Any], timeout: float) -> ChatResponse:
+        # Typed outputs: fields the SDK does not name (vLLM's structured_outputs) go in the
+        # body as they are, through extra_body.
+        extra = {k: body[k] for k in _EXTRA_BODY_FIELDS if k in body}
+        known = {k: v for k, v in body.items() if k not in extra}
+        create = self._client.chat.completions.with_raw_response.create
+        kw = {"extra_body": extra} if extra else {}
+        return parse_completion(*await self._call(create, timeout, **known, **kw))
+
+    async def embed(self, body: dict[str, Any], timeout: float) -> tuple[Any, dict[str, str]]:
+        # encoding_format is always in the body: the SDK then returns the answer as sent.
+        return await self._call(self._client.embeddings.with_raw_response.create, timeout, **body)
+
+    async def _call(self, create: Any, timeout: float, **kw: Any) -> tuple[Any, dict[str, str]]:
         openai = self._openai
         try:
-            # Typed outputs: fields the SDK does not name (vLLM's structured_outputs) go in the
-            # body as they are, through extra_body.
-            extra = {k: body[k] for k in _EXTRA_BODY_FIELDS if k in body}
-            known = {k: v for k, v in body.items() if k not in extra}
-            raw = await self._client.chat.completions.with_raw_response.create(
-                **known, timeout=timeout, **({"extra_body": extra} if extra else {})
-            )
+            raw = await create(**kw, timeout=timeout)
             headers = {k.lower(): v for k, v in raw.headers.items()}
             payload = json.loads(raw.text)
         except openai.APITimeoutError as exc:
@@ -322,7 +341,7 @@ class OpenAISDKTransport:
             raise ProviderError(
                 MALFORMED_RESPONSE, "response is not JSON", status=200, retryable=True
             ) from exc
-        return parse_completion(payload, headers)
+        return payload, headers
 
     async def aclose(self) -> None:
         await self._client.close()

@@ -21,6 +21,8 @@ from aiohttp import web
 
 from ..engine.tokens import count_prompt_tokens
 from .content import answer, structured_answer
+from .embeddings import ENDPOINT as EMBEDDINGS
+from .embeddings import batch_answer, line_tokens
 from .structured import requested_schema
 
 if TYPE_CHECKING:
@@ -189,11 +191,11 @@ class BatchAPI:
         found = self.files.get(body.get("input_file_id", ""))
         if found is None:
             return _error(400, f"input_file_id {body.get('input_file_id')!r} not found")
-        if body.get("endpoint") != "/v1/chat/completions":
+        if body.get("endpoint") not in ("/v1/chat/completions", EMBEDDINGS):
             return _error(400, f"unsupported endpoint {body.get('endpoint')!r}")
         lines = [json.loads(ln) for ln in found[1].splitlines() if ln.strip()]
         model = lines[0]["body"].get("model", "") if lines else ""
-        tokens = sum(self._estimate(ln["body"]) for ln in lines)
+        tokens = sum(self._estimate(ln["body"], body["endpoint"]) for ln in lines)
         batch = _Batch(
             id=f"batch_{uuid.uuid4().hex[:24]}",
             input_file_id=body["input_file_id"],
@@ -282,7 +284,9 @@ class BatchAPI:
         return web.json_response(batch.body())
 
     # -- processing ------------------------------------------------------------------------
-    def _estimate(self, body: dict[str, Any]) -> int:
+    def _estimate(self, body: dict[str, Any], endpoint: str) -> int:
+        if endpoint == EMBEDDINGS:
+            return line_tokens(self.sim.config, body)
         model = body.get("model", "")
         budget = body.get("max_completion_tokens") or body.get("max_tokens")
         budget = int(budget or self.sim.config.default_max_tokens)
@@ -313,7 +317,7 @@ class BatchAPI:
                 err.append(base | {"response": None, "error": {"code": code, "message": code}})
                 continue
             self.sim.counts["batch_lines_processed"] += 1
-            status_code, payload = self._answer(line["body"])
+            status_code, payload = self._answer(line["body"], batch.endpoint)
             record = base | {
                 "response": {"status_code": status_code, "request_id": base["id"], "body": payload},
                 "error": None,
@@ -335,8 +339,10 @@ class BatchAPI:
         )
         return file_id
 
-    def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _answer(self, body: dict[str, Any], endpoint: str) -> tuple[int, dict[str, Any]]:
         sim = self.sim
+        if endpoint == EMBEDDINGS:
+            return batch_answer(sim, body)
         model = body.get("model", "")
         messages = body.get("messages") or []
         if model not in sim.config.models:

@@ -100,6 +100,10 @@ class SimConfig:
     # Flex processing (simulator/tiers.py): the fraction of requests sent with service_tier
     # "flex" refused with OpenAI's 429 Resource Unavailable (1.0: a shortage that never ends).
     flex_unavailable: float = 0.0
+    # POST /v1/embeddings (simulator/embeddings.py): OpenAI's documented limits, lowerable.
+    embedding_max_inputs: int = 2048
+    embedding_max_input_tokens: int = 8192
+    embedding_max_request_tokens: int = 300_000
 
 
 _CHOICES = {
@@ -141,6 +145,14 @@ def check(config: SimConfig) -> SimConfig:
     flex = config.flex_unavailable
     if not (isinstance(flex, int | float) and not isinstance(flex, bool) and 0 <= flex <= 1):
         raise ValueError(f"flex_unavailable must be a fraction in [0, 1], got {flex!r}")
+    for name in (
+        "embedding_max_inputs",
+        "embedding_max_input_tokens",
+        "embedding_max_request_tokens",
+    ):
+        value = getattr(config, name)
+        if not (type(value) is int and value >= 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     noise = config.count_noise
     if not (isinstance(noise, int | float) and 0 <= noise < 1):
         raise ValueError(f"count_noise must be a fraction in [0, 1), got {noise!r}")

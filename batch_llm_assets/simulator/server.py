@@ -20,7 +20,7 @@ from collections import Counter
 from aiohttp import web
 
 from ..engine.tokens import encoding_for
-from . import kinds
+from . import embeddings, kinds
 from .answers import echo_key
 from .chat import chat
 from .config import LIMIT_SETTINGS, SimConfig, check, updated
@@ -72,6 +72,7 @@ class Simulator:
 
         app.router.add_post("/v1/chat/completions", chat_route)
         app.router.add_post("/openai/deployments/{deployment}/chat/completions", chat_route)
+        embeddings.register(self, app)  # POST /v1/embeddings (simulator/embeddings.py)
         app.router.add_get("/v1/models", self.models)
         for path in kinds.ROOT_ROUTES:  # what a client probes (simulator/kinds.py)
             app.router.add_get(path, self.root_route)
@@ -87,7 +88,8 @@ class Simulator:
     async def models(self, request: web.Request) -> web.Response:
         self.counts["probe_/v1/models"] += 1
         cfg = self.config
-        return web.json_response(kinds.models_body(cfg.server_kind, kinds.served_models(cfg)))
+        models = kinds.served_models(cfg) | embeddings.listed(cfg)
+        return web.json_response(kinds.models_body(cfg.server_kind, models))
 
     async def root_route(self, request: web.Request) -> web.Response:
         self.counts[f"probe_{request.path}"] += 1
