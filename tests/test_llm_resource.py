@@ -311,7 +311,8 @@ def test_a_minute_long_bucket_is_used_whole_at_the_start(fresh_sim, valkey_url, 
     assert sum(r.http_429 for r in results) == 0
     assert len(sends) == 110
     assert widened_at  # the burst did widen to the bucket
-    # Asked before the widening and sent more than a second after it: a request that slept
-    # on its old slot instead of taking a fresh one (without the wake: dozens, up to 24 s).
-    slept_through = [sent - asked for asked, sent in sends if asked < widened_at[0] < sent - 1.0]
+    # Asked before the widening and sent more than 3 s after it: a request that slept on its old
+    # slot instead of taking a fresh one (without the wake: dozens, up to 24 s; with it, a busy
+    # host's event loop still delays a few by a second or two).
+    slept_through = [sent - asked for asked, sent in sends if asked < widened_at[0] < sent - 3.0]
     assert not slept_through, slept_through
