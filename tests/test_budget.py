@@ -235,9 +235,10 @@ def test_four_processes_under_one_daily_budget_overshoot_by_at_most_a_request_ea
     total = sum(spent(db) for db in dbs)
     ok = sum(statuses(db).get("ok", 0) for db in dbs)
     assert total <= cap + 4 * max(worst)
-    # ... and stopped near it: the last refusal came with nothing held (amounts are rounded
-    # up to 1e-9 USD per request).
-    assert total > cap - max(worst) - ok * 1e-9
+    # ... and stopped near it (amounts are rounded up to 1e-9 USD per request). Not within one
+    # worst case: a process's refusal can come while requests of its own that took their holds
+    # just before are in flight, and they settle below their worst case after it stopped.
+    assert total > cap - 4 * max(worst) - ok * 1e-9
     assert received(fresh_sim) == ok
     assert all(statuses(db).get("budget_exhausted", 0) > 0 for db in dbs)
     r = redis.Redis.from_url(redis_url)
