@@ -271,6 +271,9 @@ def test_make_dev_stops_every_child_on_a_signal(signum, tmp_path):
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # SIGINT as a terminal's foreground job has it: a suite started in the background by a
+        # non-interactive shell inherits SIGINT ignored, and Python then leaves it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 150

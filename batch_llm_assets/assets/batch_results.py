@@ -285,7 +285,6 @@ def materialize_batch_partition(
     BatchPartitionRun), then metadata and the failure check."""
     from .batch_mode import BatchPartitionRun
 
-    output = spec.output.name
     with warehouse.session() as session:
         run = (run_class or BatchPartitionRun)(
             spec,
@@ -298,25 +297,10 @@ def materialize_batch_partition(
             settings=settings,
             run_id=context.run_id,
         )
-        try:
-            # The live mode's lease: one run of a partition at a time, live or batch, so two runs
-            # never submit the same pending rows.
-            lock_dir = default_journal_dir()
-            lock_dir.mkdir(parents=True, exist_ok=True)
-            with partition_lease(
-                name=journal_key(f"{warehouse.identity()}|{output}", partition_key),
-                label=f"{partition_key!r} of {output}",
-                run_id=context.run_id,
-                lock_dir=lock_dir,
-                redis_url=llm.redis_url,
-                store=session.lease_store(output),
-            ):
-                stats = run.run()
-            summary = session.partition_summary(output, partition_key)
-            typed = spec.output_schema
-            quality = field_quality(session, output, partition_key, typed.names) if typed else {}
-        except E.BatchLLMError as exc:
-            raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
+        stats, summary, quality = _run_leased(
+            context, run, spec, llm, warehouse, session, partition_key
+        )
+    output = spec.output.name
     metadata = build_metadata(
         stats,
         summary=summary,
@@ -340,6 +324,39 @@ def materialize_batch_partition(
     )
     _judge(context, partition_key, summary, stats, metadata, results, max_failed_fraction)
     return dg.MaterializeResult(metadata=metadata, check_results=results)
+
+
+def _run_leased(
+    context: dg.AssetExecutionContext,
+    run: Any,
+    spec: RunSpec,
+    llm: LLMResource,
+    warehouse: Warehouse,
+    session: Any,
+    partition_key: str,
+) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Run the partition under the live mode's lease (one run of a partition at a time, live or
+    batch, so two runs never submit the same pending rows); its stats, summary and typed
+    fields' quality."""
+    output = spec.output.name
+    try:
+        lock_dir = default_journal_dir()
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with partition_lease(
+            name=journal_key(f"{warehouse.identity()}|{output}", partition_key),
+            label=f"{partition_key!r} of {output}",
+            run_id=context.run_id,
+            lock_dir=lock_dir,
+            redis_url=llm.redis_url,
+            store=session.lease_store(output),
+        ):
+            stats = run.run()
+        summary = session.partition_summary(output, partition_key)
+        typed = spec.output_schema
+        quality = field_quality(session, output, partition_key, typed.names) if typed else {}
+    except E.BatchLLMError as exc:
+        raise dg.Failure(description=exc.description, metadata=exc.metadata) from None
+    return stats, summary, quality
 
 
 def _judge(
