@@ -164,7 +164,9 @@ class SliceReader:
         return self.db.done_hashes(self.spec.output, self.partition_key, ids)
 
     # -- render ------------------------------------------------------------------------------
-    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> Iterator[ChatRequest]:
+    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> Iterator[Any]:
+        """Each row's request (`_request`), or its failure when the template cannot render it;
+        rows already done under the same identity are skipped (None)."""
         id_column = self.spec.source.id_column
         for row in chunk:
             if self._stop.is_set():
@@ -172,41 +174,49 @@ class SliceReader:
             rid = row[id_column]
             messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
             if problem is not None:
-                yield ChatRequest(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
+                yield self._unsent(rid, (problem[0], f"{problem[1]}; not sent"))
                 if self.template.observe(*problem):  # in row order, as rendered
                     return  # the rows failed so far are kept; the caller raises the error
                 continue
             self.template.observe(None, None)
-            assert self._engine is not None
-            rendered = messages
-            params, messages = (
-                self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
-            )
-            # Built once: the same dict is sent (ChatRequest.body). A typed row's identity is
-            # what is asked (the rendered messages, the schema), not the provider's form of it.
-            body = None if params is None else self._engine.request_body(messages, params)
-            key = (
-                body
-                if self.typed is None
-                else self._engine.request_body(rendered, self.typed.identity)
-            )
-            h = self._hash(messages, key, 0)
-            stored = done.get(rid)
-            if stored is not None and self._is_done(stored, h, messages, key, body):
-                self.stats.skipped += 1
-                continue
-            self.hashes[rid] = h
-            if self.typed is None:
-                yield ChatRequest(rid, messages)
-                continue
-            yield ChatRequest(
-                rid,
-                messages,
-                params=params,
-                validate=validator(self.typed.parse),
-                repair_attempts=self.spec.repair_attempts,
-                body=body,
-            )
+            item = self._request(rid, messages, done)
+            if item is not None:
+                yield item
+
+    def _unsent(self, rid: Any, error: tuple[str, str]) -> Any:
+        return ChatRequest(rid, None, error=error)
+
+    def _request(
+        self, rid: Any, messages: list[dict[str, Any]], done: dict[Any, str]
+    ) -> ChatRequest | None:
+        """The row's chat request, or None when it is done under the same identity."""
+        assert self._engine is not None
+        rendered = messages
+        params, messages = (
+            self.typed.shape(self.provider_kind, messages) if self.typed else (None, messages)
+        )
+        # Built once: the same dict is sent (ChatRequest.body). A typed row's identity is
+        # what is asked (the rendered messages, the schema), not the provider's form of it.
+        body = None if params is None else self._engine.request_body(messages, params)
+        key = (
+            body if self.typed is None else self._engine.request_body(rendered, self.typed.identity)
+        )
+        h = self._hash(messages, key, 0)
+        stored = done.get(rid)
+        if stored is not None and self._is_done(stored, h, messages, key, body):
+            self.stats.skipped += 1
+            return None
+        self.hashes[rid] = h
+        if self.typed is None:
+            return ChatRequest(rid, messages)
+        return ChatRequest(
+            rid,
+            messages,
+            params=params,
+            validate=validator(self.typed.parse),
+            repair_attempts=self.spec.repair_attempts,
+            body=body,
+        )
 
     def _is_done(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,7 +22,7 @@ import numpy as np
 from ..assets.pipeline import PartitionRun, RunSpec
 from ..assets.pricing import cost_usd, price_for_resource, served_model
 from ..assets.prompt import CHARS_PER_TOKEN
-from ..assets.reader import SliceReader, _Stopped
+from ..assets.reader import SliceReader
 from ..assets.writer import ChunkWriter, storable
 from ..engine.budget import Cost
 from ..engine.engine import Engine
@@ -102,27 +102,20 @@ class EmbeddingReader(SliceReader):
         async for chunk in super().chunks(engine):
             yield chunk
 
-    def _render(self, chunk: list[dict[str, Any]], done: dict[Any, str]) -> Iterator[Any]:
-        id_column = self.spec.source.id_column
-        scope = self.scopes[0]
-        for row in chunk:
-            if self._stop.is_set():
-                raise _Stopped
-            rid = row[id_column]
-            messages, problem = self.spec.prompt.render(row, max_chars=self.max_prompt_chars)
-            if problem is not None:
-                yield EmbedItem(rid, None, error=(problem[0], f"{problem[1]}; not sent"))
-                if self.template.observe(*problem):
-                    return  # the rows failed so far are kept; the caller raises the error
-                continue
-            self.template.observe(None, None)
-            text = messages[-1]["content"]
-            h = request_identity({**self._identity, "input": text}, scope)
-            if done.get(rid) == h:
-                self.stats.skipped += 1
-                continue
-            self.hashes[rid] = h
-            yield EmbedItem(rid, text)
+    def _unsent(self, rid: Any, error: tuple[str, str]) -> EmbedItem:
+        return EmbedItem(rid, None, error=error)
+
+    def _request(
+        self, rid: Any, messages: list[dict[str, Any]], done: dict[Any, str]
+    ) -> EmbedItem | None:
+        """The row's text to embed, or None when it is done under the same identity."""
+        text = messages[-1]["content"]
+        h = request_identity({**self._identity, "input": text}, self.scopes[0])
+        if done.get(rid) == h:
+            self.stats.skipped += 1
+            return None
+        self.hashes[rid] = h
+        return EmbedItem(rid, text)
 
 
 def _listed(row: dict[str, Any]) -> dict[str, Any]:
