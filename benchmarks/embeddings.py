@@ -6,6 +6,8 @@ requests per row with the default packing, rows/s with no limit, and peak RSS at
 Each figure comes from one daily partition of a DuckDB table of distinct headlines (every row is
 sent), materialised by build_llm_embedding_asset with its default packing, each run in a process
 of its own (peak RSS is that process's maximum resident set):
+- the LLM resource is told the provider is OpenAI, the model's: vectors travel as base64 of
+  float32, as the openai SDK asks for them;
 - limited: the simulator enforces `--tpm` (a 1 s bucket) and the LLM resource is told the same;
   utilization = tokens admitted per second at the simulator in the steady seconds / (tpm / 60);
   rate_limited_share = the simulator's 429s / the requests it received;
@@ -42,7 +44,11 @@ def one_run(rows: int, tpm: int | None, dimensions: int) -> dict:
     """One partition of `rows` distinct headlines embedded; the simulator's and the run's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         db = os.path.join(tmp, "bench.duckdb")
-        make_table(db, rows, distinct=True)
+        # The table is made in a process of its own: DuckDB's allocator keeps what it took to
+        # build it, and this process's peak RSS is to be the run's.
+        subprocess.run(
+            [sys.executable, __file__, "--make-table", db, "--rows", str(rows)], check=True
+        )
         asset = build_llm_embedding_asset(
             name="bench",
             source=SourceTable(table="headlines", partition_column="published_at"),
@@ -56,7 +62,11 @@ def one_run(rows: int, tpm: int | None, dimensions: int) -> dict:
         with SimulatorProcess(tpm=tpm, jitter=0, **latency) as sim:
             resources = {
                 "llm": LLMResource(
-                    base_url=sim.url, model="gpt-4o-mini", tpm=tpm, adaptive_concurrency=False
+                    base_url=sim.url,
+                    model="gpt-4o-mini",
+                    tpm=tpm,
+                    adaptive_concurrency=False,
+                    provider="openai",
                 ),
                 # DuckDB keeps the table it writes in its buffer pool, up to its memory_limit
                 # (default: 80 % of RAM): capped, so peak RSS shows the run's own memory.
@@ -101,7 +111,11 @@ def main() -> None:
     ap.add_argument("--tpm", type=int, default=1_000_000)
     ap.add_argument("--dimensions", type=int, default=256)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--make-table", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.make_table:
+        make_table(args.make_table, args.rows, distinct=True)
+        return
     if args.child:
         print(json.dumps(one_run(args.rows, args.tpm or None, args.dimensions)))
         return

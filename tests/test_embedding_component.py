@@ -38,7 +38,7 @@ def test_the_component_declares_the_asset_checks_job_and_schedule_and_runs(
     assert spec.metadata["batch_llm/text_template"] == "Headline: {{ headline }}"  # literal
     assert spec.metadata["batch_llm/task"] == "embed" and spec.group_name == "embeddings"
     columns = {c.name: c.type for c in spec.metadata["dagster/column_schema"].columns}
-    assert columns["embedding"] == "DOUBLE[]" and columns["dimensions"] == "BIGINT"
+    assert columns["embedding"] == "FLOAT[]" and columns["dimensions"] == "BIGINT"
     assert {c.name for c in asset.check_specs} == {"failed_fraction", "row_count_matches_input"}
     assert [s.name for s in defs.schedules] == ["headline_embeddings_latest_partition"]
     resources = {

@@ -13,7 +13,9 @@ import redis
 
 from batch_llm_assets import DuckDBWarehouse, LLMResource, SourceTable, build_llm_embedding_asset
 from batch_llm_assets.demo_data import create_demo_table
+from batch_llm_assets.embeddings.run import EMBEDDING_COLUMNS
 from batch_llm_assets.engine.limiter import limiter_namespace
+from batch_llm_assets.warehouses.duckdb_types import TYPES
 
 from .conftest import SIM_KEY, create_distinct_table
 from .conftest import duckdb_query as query
@@ -86,7 +88,7 @@ def test_a_partition_embeds_into_a_vector_column_in_few_requests_and_a_rerun_sen
     [(kind,)] = query(
         db, "SELECT data_type FROM information_schema.columns WHERE column_name = 'embedding'"
     )
-    assert kind == "DOUBLE[]"
+    assert kind == "FLOAT[]"
     [(rows, ok, dims, norms, hashes, tokens, cost)] = query(
         db,
         "SELECT count(*), count(*) FILTER (status = 'ok'), min(dimensions) || '/' || "
@@ -111,6 +113,31 @@ def test_a_partition_embeds_into_a_vector_column_in_few_requests_and_a_rerun_sen
     again = materialize(asset(), fresh_sim, db)
     assert again.success and metadata(again)["run/rows_skipped"] == PER_DAY
     assert fresh_sim.stats()["received"] == stats["received"]  # nothing sent
+
+
+def test_a_table_made_when_vectors_were_doubles_is_kept(fresh_sim, db):
+    """An output table whose embedding column is DOUBLE[] (the earlier layout) takes float32
+    vectors as they are: no schema error, the numbers unchanged."""
+    cols = ", ".join(
+        f"{c} {'DOUBLE[]' if c == 'embedding' else TYPES[k]}" for c, k in EMBEDDING_COLUMNS
+    )
+    with duckdb.connect(db) as con:
+        con.execute(
+            f"CREATE TABLE news_embeddings (id BIGINT, {cols}, PRIMARY KEY (partition_key, id))"
+        )
+    result = materialize(asset(), fresh_sim, db)
+    assert result.success and outcomes(db) == {"ok": PER_DAY}
+    [(kind,)] = query(
+        db, "SELECT data_type FROM information_schema.columns WHERE column_name = 'embedding'"
+    )
+    assert kind == "DOUBLE[]"
+    # Each number is a float32 widened, exactly: casting to FLOAT and back changes none.
+    [(changed,)] = query(
+        db,
+        "SELECT count(*) FROM news_embeddings "
+        "WHERE embedding::FLOAT[]::DOUBLE[] IS DISTINCT FROM embedding",
+    )
+    assert changed == 0
 
 
 def test_a_new_partition_reuses_the_stored_vectors_of_the_same_text(fresh_sim, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 from uuid import UUID
 
 import dagster as dg
+import numpy as np
 import pytest
 import redis
 from pydantic import Field
@@ -450,6 +451,17 @@ def test_journal_keeps_id_types_and_recovers_in_chunks(tmp_path):
     assert (
         len([r for c in ResultJournal(tmp_path, "scope", "pk").recover_chunks(100) for r in c]) == 8
     )
+
+
+def test_the_journal_gives_back_an_embedding_bit_for_bit(tmp_path):
+    """A float32 vector is journaled as its bytes: a recovered row stores the same numbers."""
+    vec = np.array([0.1, -2.5, 3e-8, 1 / 3], dtype=np.float32)
+    j = ResultJournal(tmp_path, "scope", "pk")
+    j.append({"id": 1, "status": "ok", "embedding": vec})
+    j.close()
+    [[row]] = list(ResultJournal(tmp_path, "scope", "pk").recover_chunks(10))
+    back = row["embedding"]
+    assert back.dtype == np.float32 and back.tobytes() == vec.tobytes()
 
 
 @pytest.fixture

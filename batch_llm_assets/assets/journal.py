@@ -22,6 +22,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from ..engine.errors import BatchLLMError
@@ -199,6 +200,9 @@ def _tag(value: Any) -> Any:
         return {"$uuid": str(value)}
     if isinstance(value, bytes | bytearray | memoryview):
         return {"$b64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim == 1:
+        # An embedding: its float32 bytes, exact and a third of the size of its floats as text.
+        return {"$f32": base64.b64encode(value.astype("<f4", copy=False).tobytes()).decode()}
     raise TypeError(f"cannot journal a {type(value).__name__}")
 
 
@@ -208,6 +212,7 @@ _UNTAG = {
     "$dec": Decimal,
     "$uuid": uuid.UUID,
     "$b64": base64.b64decode,
+    "$f32": lambda text: np.frombuffer(base64.b64decode(text), dtype="<f4"),
 }
 
 

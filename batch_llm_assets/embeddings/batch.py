@@ -79,11 +79,9 @@ class EmbeddingBatchRows(BatchRows):
     def row(self, r: Any, rhash: str | None) -> dict[str, Any]:
         cost = cost_usd(self.price, r.prompt_tokens, r.completion_tokens)
         self.stats.add(r, cost)
-        row = embedding_row(
+        return embedding_row(
             r, self.partition_key, self.model, cost, rhash, datetime.now(UTC), self.secret
         )
-        vec = row["embedding"]
-        return row | {"embedding": vec.tolist() if vec is not None else None}
 
 
 def _one_vector(body: Any, headers: dict[str, str], *, dims: int | None) -> Any:

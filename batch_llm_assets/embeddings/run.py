@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-
-import numpy as np
 
 from ..assets.pipeline import PartitionRun, RunSpec
 from ..assets.pricing import cost_usd, price_for_resource, served_model
@@ -37,7 +34,7 @@ from .sender import EmbeddingSender
 # The embedding table's columns after `id`, as (name, logical type).
 EMBEDDING_COLUMNS: tuple[tuple[str, str], ...] = (
     ("partition_key", "string"),
-    ("embedding", "list<float>"),
+    ("embedding", "list<float32>"),
     ("dimensions", "int"),
     ("status", "string"),
     ("error_class", "string"),
@@ -118,13 +115,6 @@ class EmbeddingReader(SliceReader):
         return EmbedItem(rid, text)
 
 
-def _listed(row: dict[str, Any]) -> dict[str, Any]:
-    """The row as the writer and the journal take it: its vector as a list of floats (a float32
-    vector stays in the sharing's memory, a sixth of the size)."""
-    vec = row.get("embedding")
-    return {**row, "embedding": vec.tolist()} if isinstance(vec, np.ndarray) else row
-
-
 class EmbeddingPartitionRun(PartitionRun):
     """Runs one partition of an embedding asset (see the module)."""
 
@@ -172,12 +162,6 @@ class EmbeddingPartitionRun(PartitionRun):
             # Longer texts cannot fit: refused without tokenizing (prompt_too_large).
             self.reader.max_prompt_chars = CHARS_PER_TOKEN * sender.limits.max_input_tokens
         await super()._consume(sender, writer, started, failed)
-
-    def _deliverer(
-        self, writer: ChunkWriter, failed: asyncio.Future[BaseException], engine: Any
-    ) -> Callable[[list[dict[str, Any]]], None]:
-        deliver = super()._deliverer(writer, failed, engine)
-        return lambda rows: deliver([_listed(r) for r in rows])
 
     def _priced(self) -> Cost | None:
         """Priced at the embedding model's list price (also on a stand-in for a chat model);

@@ -225,7 +225,7 @@ class AiohttpTransport:
                 params=self._params,
                 timeout=self._timeout(timeout),
             ) as resp:
-                text = await resp.text(errors="replace")
+                raw = await resp.read()  # bytes: orjson reads them without a str copy
                 headers = {k.lower(): v for k, v in resp.headers.items()}
                 status = resp.status
         except TimeoutError as exc:
@@ -236,13 +236,13 @@ class AiohttpTransport:
             message = redact(f"{type(exc).__name__}: {exc}", self._secret)
             raise ProviderError(CONNECTION_ERROR, message, retryable=True) from exc
         if status >= 400:
-            raise error_from_body(status, text, headers, self._secret)
+            raise error_from_body(status, raw.decode(errors="replace"), headers, self._secret)
         try:
-            payload = _loads(text)
+            payload = _loads(raw)
         except ValueError as exc:
             raise ProviderError(
                 MALFORMED_RESPONSE,
-                f"response is not JSON ({len(text)} bytes)",
+                f"response is not JSON ({len(raw)} bytes)",
                 status=status,
                 retryable=True,
             ) from exc
@@ -265,13 +265,14 @@ def _dumps(body: dict[str, Any]) -> bytes | str:
         return json.dumps(body)
 
 
-def _loads(text: str) -> Any:
+def _loads(body: bytes) -> Any:
     """An answer's JSON: orjson, and json for what orjson refuses (a lone surrogate escape,
-    which json reads and the answer's checks then handle)."""
+    which json reads and the answer's checks then handle; bytes that are not UTF-8, read with
+    replacement characters)."""
     try:
-        return orjson.loads(text)
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
-        return json.loads(text)
+        return json.loads(body.decode(errors="replace"))
 
 
 _EXTRA_BODY_FIELDS = ("structured_outputs", "guided_json")

@@ -33,6 +33,7 @@ _SCALAR_TYPES = {
     "string": "STRING",
     "int": "INT64",
     "float": "FLOAT64",
+    "float32": "FLOAT64",  # BigQuery has no 32-bit float: a float32 is exact in FLOAT64
     "timestamp": "TIMESTAMP",
     "bool": "BOOL",
     # Typed outputs: an object field is JSON text in a STRING column (JSON_VALUE etc. read it);
@@ -43,7 +44,10 @@ _SCALAR_TYPES = {
 # array, so an invalid answer's list is written as [].
 TYPES = {
     **_SCALAR_TYPES,
-    **{f"list<{k}>": f"ARRAY<{_SCALAR_TYPES[k]}>" for k in ("string", "int", "float", "bool")},
+    **{
+        f"list<{k}>": f"ARRAY<{_SCALAR_TYPES[k]}>"
+        for k in ("string", "int", "float", "float32", "bool")
+    },
 }
 
 # Retries of one DML statement: exponential backoff with full jitter, capped, within a deadline.
@@ -126,7 +130,8 @@ def struct(row: dict[str, Any], id_type: str, output: OutputTable) -> bigquery.S
             value = value.replace(tzinfo=UTC)
         if kind.startswith("list<"):
             item = TYPES[kind].removeprefix("ARRAY<").removesuffix(">")
-            fields.append(bigquery.ArrayQueryParameter(column, item, list(value or [])))
+            items = [] if value is None else value.tolist() if hasattr(value, "tolist") else value
+            fields.append(bigquery.ArrayQueryParameter(column, item, list(items)))
             continue
         fields.append(bigquery.ScalarQueryParameter(column, TYPES[kind], value))
     return bigquery.StructQueryParameter(None, *fields)

@@ -9,11 +9,12 @@ import pyarrow as pa
 
 from .base import OutputTable
 
-_NULLABLE = {"int": "Int64", "float": "Float64", "bool": "boolean"}
+_NULLABLE = {"int": "Int64", "float": "Float64", "float32": "Float32", "bool": "boolean"}
 _ARROW = {
     "string": pa.string(),
     "int": pa.int64(),
     "float": pa.float64(),
+    "float32": pa.float32(),
     "timestamp": pa.timestamp("us", tz="UTC"),
     "bool": pa.bool_(),
     "json": pa.string(),  # JSON text; DuckDB casts it to its JSON type
@@ -22,6 +23,9 @@ SCALAR_TYPES = {
     "string": "VARCHAR",
     "int": "BIGINT",
     "float": "DOUBLE",
+    # An embedding's numbers: float32 is what the providers compute and send (base64 of
+    # float32); stored as it came, at half the size of DOUBLE.
+    "float32": "FLOAT",
     "timestamp": "TIMESTAMPTZ",
     "bool": "BOOLEAN",
     "json": "JSON",  # typed outputs: an object field, queryable with ->> and json_extract
@@ -29,8 +33,11 @@ SCALAR_TYPES = {
 # Typed outputs: a list of scalars is a DuckDB LIST (list<string> -> VARCHAR[]).
 TYPES = {
     **SCALAR_TYPES,
-    **{f"list<{k}>": f"{SCALAR_TYPES[k]}[]" for k in ("string", "int", "float", "bool")},
+    **{f"list<{k}>": f"{SCALAR_TYPES[k]}[]" for k in ("string", "int", "float", "float32", "bool")},
 }
+# An existing column of a wider type takes the values as they are (an embedding table made
+# when vectors were stored as DOUBLE[] keeps working).
+WIDER = {"FLOAT[]": ("DOUBLE[]",)}
 # information_schema spells some types out.
 SPELLED = {"TIMESTAMPTZ": "TIMESTAMP WITH TIME ZONE"}
 
