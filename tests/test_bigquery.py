@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -22,6 +20,7 @@ from batch_llm_assets.assets.schema import OUTPUT_COLUMNS, output_table
 from batch_llm_assets.demo_data import headlines
 from batch_llm_assets.engine.errors import BatchLLMError
 from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
+from batch_llm_assets.simulator.bqemulator import BigQueryEmulatorProcess
 from batch_llm_assets.warehouses import bigquery_dml as bqw_dml
 from batch_llm_assets.warehouses import bigquery_session as bqw
 from batch_llm_assets.warehouses.base import OutputTable, SliceFilter, SourceRef
@@ -41,73 +40,12 @@ PROMPT = Prompt(
 )
 PER_DAY = 20
 
-# The emulator's own process. bqemulator has no flag, BQEMU_* variable or hook to skip loading
-# DuckDB's spatial extension at boot (DuckDBEngine.start always runs INSTALL/LOAD spatial, which
-# downloads it and fails offline), so this launcher replaces that one step with a no-op before
-# the server is built: GEOGRAPHY is not needed. The Avro extension download is switched off with
-# its documented setting (enable_format_extensions=False). The REST port, chosen free by the OS,
-# is written to argv[1]; the emulator stops when stdin closes (or on SIGTERM/SIGINT).
-LAUNCHER = r"""
-import asyncio, os, signal, sys
-from bqemulator.config import Settings
-from bqemulator.server import EmulatorServer
-from bqemulator.storage.engine import DuckDBEngine
-
-DuckDBEngine._load_spatial = lambda self: None  # monkeypatch: see the comment in the test file
-
-async def main(port_file):
-    server = EmulatorServer(Settings(
-        rest_host="127.0.0.1", rest_port=0, grpc_host="127.0.0.1", grpc_port=0,
-        enable_format_extensions=False, default_project_id=sys.argv[2],
-        log_level="warning", log_format="console", metrics_enabled=False,
-    ))
-    await server.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.run_in_executor(None, lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)))
-    with open(port_file + ".tmp", "w") as f:
-        f.write(str(server.rest_port))
-    os.replace(port_file + ".tmp", port_file)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
-
-asyncio.run(main(sys.argv[1]))
-os._exit(0)  # don't wait for the stdin reader thread
-"""
-
 
 @pytest.fixture(scope="session")
 def bq_endpoint(tmp_path_factory):
     """A bqemulator process for the session: its REST base URL."""
-    workdir = tmp_path_factory.mktemp("bqemulator")
-    port_file = workdir / "port"
-    log_path = workdir / "emulator.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, str(port_file), PROJECT],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,  # so no .bqemu.toml of the repo's is picked up
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"bqemulator did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port_file.read_text()}"
-    finally:
-        proc.stdin.close()  # the launcher stops on EOF
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with BigQueryEmulatorProcess(tmp_path_factory.mktemp("bqemulator"), PROJECT) as emulator:
+        yield emulator.url
 
 
 @pytest.fixture
