@@ -80,6 +80,15 @@ ADAPT_DECREASE = 0.7
 ADAPT_RECOVERY_PER_S = 0.05
 ADAPT_PROBE_SLOWDOWN = 5.0
 ADAPT_MIN_FACTOR = 0.1
+# The script's three remaining numbers. A settle whose burst (the bucket the provider's headers
+# show) is this many times the one in use, or wider by a whole base burst, restarts the schedule
+# so the new headroom is used at once.
+BURST_WIDER_RATIO = 1.5
+# Under no saturation, a job's own schedule runs at most this far ahead of now: slack it used in
+# a lull is forgiven, so a job back from idle is not held to its old share.
+LULL_FORGIVE_MS = 1000
+# The limiter's keys outlive the schedule by the minute ledgers' span and a second.
+STATE_TTL_MARGIN_MS = 61_000
 # Fair shares: a job's lease lives this long without an acquire; its recent use is an EWMA over
 # SHARE_TAU_MS; a job using under SHARE_IDLE of its weighted share lends the rest.
 JOB_LEASE_TTL_MS = 15_000

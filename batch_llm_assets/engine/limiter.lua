@@ -84,7 +84,7 @@ local function save()
   redis.call('HSET', S, 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'fr', fr, 'pause', pause,
     'ep', ep, 'b', b, 'lt', now, 'lo', lo, 'sr', sr, 'st', stk, 'n', n, 'wer', win.r[1],
     'wrr', win.r[2], 'wet', win.t[1], 'wrt', win.t[2])
-  local ttl = math.ceil(math.max(tr, tt, pause, now) - now) + 61000
+  local ttl = math.ceil(math.max(tr, tt, pause, now) - now) + num('ttl_ms')
   for _, i in ipairs({1, 4, 5, 6}) do redis.call('PEXPIRE', KEYS[i], ttl) end
 end
 local function reply(granted, s, share, jobs)
@@ -138,7 +138,7 @@ if op == 'settle' then
   local wider = false
   if a.cap_ms and gep == ep then
     local cap = math.max(base, math.min(num('cap_ms'), num('max_burst_ms')))
-    wider, b = cap >= math.max(1.5 * b, b + base), cap
+    wider, b = cap >= math.max(num('wider') * b, b + base), cap
   end
   if a.rem_r or a.rem_t or num('restart') == 1 then hold(now, wider or num('restart') == 1) end
   -- A window: what it has left holds every process's grants until its reset (acquire).
@@ -234,7 +234,7 @@ if share < 1 and num('ticket') == 0 then
   local from = defer and js or now
   jtr, jtt = math.max(jtr, from) + ir / share, math.max(jtt, from) + it / share
   if not saturated then  -- slack used in a lull is forgiven beyond a second
-    local cap = now + math.max(base, 1000)
+    local cap = now + math.max(base, num('forgive_ms'))
     jtr, jtt = math.min(jtr, cap), math.min(jtt, cap)
   end
   redis.call('HSET', KEYS[4], 'tr', jtr, 'tt', jtt)

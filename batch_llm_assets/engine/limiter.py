@@ -157,6 +157,8 @@ class RedisLimiter:
             *("rpm", self.rpm or 0, "tpm", self.tpm or 0, "burst_ms", self.settings.burst_s * 1000),
             *("recovery", C.ADAPT_RECOVERY_PER_S, "slowdown", C.ADAPT_PROBE_SLOWDOWN),
             *("min_factor", C.ADAPT_MIN_FACTOR, "ahead", ahead),
+            *("wider", C.BURST_WIDER_RATIO, "forgive_ms", C.LULL_FORGIVE_MS),
+            *("ttl_ms", C.STATE_TTL_MARGIN_MS),
         ]
 
     async def _call(self, op: str, *named: object, wait: bool = True) -> Grant:
