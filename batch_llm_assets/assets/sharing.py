@@ -79,6 +79,15 @@ def stored_answers(
     return lookup
 
 
+def _drop(found: asyncio.Future[Any]) -> None:
+    """A lookup nobody will read: cancelled, or, when it already failed, its error marked read
+    (the run is stopping anyway), so asyncio does not log it as never retrieved."""
+    if not found.done():
+        found.cancel()
+    elif not found.cancelled():
+        found.exception()
+
+
 def id_text(value: Any) -> str:
     """An id as `shared_from` text: str(), bytes as hex."""
     if isinstance(value, bytes | bytearray | memoryview):
@@ -126,6 +135,7 @@ class Sharing:
         """The leaders of each chunk, in order; followers become rows here or when their leader
         answers. A chunk's lookup starts before the previous chunk is handed out."""
         ahead: tuple[list[ChatRequest], asyncio.Future[Any]] | None = None
+        started: tuple[list[ChatRequest], asyncio.Future[Any]] | None = None
         try:
             async with contextlib.aclosing(chunks):
                 while True:
@@ -143,14 +153,15 @@ class Sharing:
                     if ahead is not None:
                         async for req in self._hand_out(*ahead):
                             yield req
-                    ahead = started
+                    ahead, started = started, None
             if ahead is not None:
                 async for req in self._hand_out(*ahead):
                     yield req
                 ahead = None
-        finally:
-            if ahead is not None:
-                ahead[1].cancel()
+        finally:  # stopped early: the lookups not handed out are nobody's
+            for pending in (ahead, started):
+                if pending is not None:
+                    _drop(pending[1])
 
     def _start_lookup(self, chunk: list[ChatRequest]) -> asyncio.Future[Any]:
         self._started += 1
