@@ -1,8 +1,8 @@
 -- The shared rate limiter: one atomic call per op, on Redis server time. docs/engine.md states
 -- the algorithm; every number comes from engine/_constants.py with each call.
 -- KEYS: 1 state hash, 2 leases zset (job|engine -> expiry), 3 jobs hash (w:, u:, t: per job),
---       4 this job's hash (its own schedule under saturation), 5 and 6 the minute ledgers of
---       requests and tokens (score: grant time less `lo`, member "n:amount").
+--       4 this job's own schedule, 5 and 6 the minute ledgers of requests and tokens (score:
+--       grant time less `lo`, member "n:amount").
 -- ARGV: the op (acquire | settle | penalize | release), then name/value pairs.
 -- Reply: {granted, wait_ms, slot_ms, factor_ppm, share_ppm, jobs, epoch, burst_ms}.
 pcall(redis.replicate_commands)
@@ -15,10 +15,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
 local S = KEYS[1]
-local st = redis.call('HMGET', S, 'tr', 'tt', 'f', 'ft', 'fr', 'pause', 'ep', 'b', 'lt', 'lo',
+local v = redis.call('HMGET', S, 'tr', 'tt', 'f', 'ft', 'fr', 'pause', 'ep', 'b', 'lt', 'lo',
   'sr', 'st', 'n', 'wer', 'wrr', 'wet', 'wrt')
-local v = {}
-for i = 1, 17 do v[i] = tonumber(st[i]) end
+for i = 1, #v do v[i] = tonumber(v[i]) end
 local base = num('burst_ms')
 local tr, tt, f0, ft, fr = v[1], v[2], v[3] or 1, v[4] or now, v[5] or 1
 local pause, ep, b, lo = v[6] or 0, v[7] or 0, math.max(base, v[8] or base), v[10] or 0
@@ -42,14 +41,9 @@ ft = math.min(ft, now)
 -- The factor recovers by `recovery`/s up to where the 429s began (fr), then `slowdown` x slower.
 local rec, slow, minf = num('recovery'), math.max(1, num('slowdown')), num('min_factor')
 f0 = math.max(minf, math.min(1, f0))
-local dt, factor = (now - ft) / 1000, 0
-if f0 >= fr then
-  factor = f0 + rec / slow * dt
-elseif dt <= (fr - f0) / rec then
-  factor = f0 + rec * dt
-else
-  factor = fr + rec / slow * (dt - (fr - f0) / rec)
-end
+local dt = (now - ft) / 1000
+local factor = math.min(f0 + rec * dt, math.max(f0, fr))
+  + rec / slow * math.max(0, dt - math.max(0, (fr - f0) / rec))
 factor = math.max(minf, math.min(1, factor))
 -- Interval (ms) per unit at the believed rate times the factor; 0: a dimension not limited.
 local rpm, tpm = num('rpm'), num('tpm')
@@ -80,15 +74,12 @@ local function note(slot, dr, dtk)
   end
 end
 
-local function save()
+local function reply(granted, s, share, jobs)
   redis.call('HSET', S, 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'fr', fr, 'pause', pause,
     'ep', ep, 'b', b, 'lt', now, 'lo', lo, 'sr', sr, 'st', stk, 'n', n, 'wer', win.r[1],
     'wrr', win.r[2], 'wet', win.t[1], 'wrt', win.t[2])
   local ttl = math.ceil(math.max(tr, tt, pause, now) - now) + num('ttl_ms')
   for _, i in ipairs({1, 4, 5, 6}) do redis.call('PEXPIRE', KEYS[i], ttl) end
-end
-local function reply(granted, s, share, jobs)
-  save()
   return {granted, math.ceil(math.max(0, s - now)), math.floor(s), math.floor(factor * 1e6),
     math.floor(share * 1e6), jobs, ep, math.floor(b)}
 end
@@ -106,26 +97,28 @@ local function charge(slot, gep, dr, dtk, sched)
   note(slot, dr, dtk)
 end
 -- The schedule never promises more than the provider says remains; a restart (a new epoch)
--- sets it there, dropping the old epoch's grants.
+-- sets it there (from `from` plus the default burst when nothing remains is known), dropping
+-- the old epoch's grants.
 local function hold(from, renew)
   if renew then ep = ep + 1 end
-  for _, d in ipairs({{'r', ur}, {'t', ut}}) do
-    local at = renew and from + base or nil
-    if a['rem_' .. d[1]] then
-      at = from + b - num('rem_' .. d[1]) * d[2]
-    end
-    if at and d[2] > 0 and d[1] == 'r' then tr = renew and at or math.max(tr, at) end
-    if at and d[2] > 0 and d[1] == 't' then tt = renew and at or math.max(tt, at) end
+  local function at(d, u, tat)
+    local x = renew and from + base or nil
+    if a['rem_' .. d] then x = from + b - num('rem_' .. d) * u end
+    if not x or u <= 0 then return tat end
+    return renew and x or math.max(tat, x)
   end
+  tr, tt = at('r', ur, tr), at('t', ut, tt)
 end
+local function forget(j) redis.call('HDEL', KEYS[3], 'w:' .. j, 'u:' .. j, 't:' .. j) end
+local function job_of(lease) return string.match(lease, '^(.*)|[^|]*$') end
 
 if op == 'release' then
   -- Only this engine's lease; its job's weight and use go when no engine of it is left.
   redis.call('ZREM', KEYS[2], job .. '|' .. (a.engine or ''))
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
-    if string.sub(m, 1, #job + 1) == job .. '|' then return reply(1, now, 1, 0) end
+    if job_of(m) == job then return reply(1, now, 1, 0) end
   end
-  redis.call('HDEL', KEYS[3], 'w:' .. job, 'u:' .. job, 't:' .. job)
+  forget(job)
   return reply(1, now, 1, 0)
 end
 
@@ -133,14 +126,14 @@ if op == 'settle' then
   -- An answer: its reservation reconciled with the usage; the burst is the bucket the
   -- provider's headers show (an answer of this epoch: older ones may predate a 429); a wider
   -- burst or a lower believed rate restarts the schedule.
-  local gep = num('epoch')
+  local gep, restart = num('epoch'), num('restart') == 1
   charge(num('slot'), gep, num('requests'), num('tokens'), true)
   local wider = false
   if a.cap_ms and gep == ep then
     local cap = math.max(base, math.min(num('cap_ms'), num('max_burst_ms')))
     wider, b = cap >= math.max(num('wider') * b, b + base), cap
   end
-  if a.rem_r or a.rem_t or num('restart') == 1 then hold(now, wider or num('restart') == 1) end
+  if a.rem_r or a.rem_t or restart then hold(now, wider or restart) end
   -- A window: what it has left holds every process's grants until its reset (acquire).
   for d, w in pairs(win) do
     if a['reset_' .. d] then w[1], w[2] = now + num('reset_' .. d), num('rem_' .. d) end
@@ -168,15 +161,15 @@ end
 -- acquire: one request of `tokens`; `back_*` is an older grant it replaces, which goes out of
 -- the ledgers (the schedule keeps it: given back there, every fresh slot taken that way would
 -- be the same instant).
-local lease = num('lease_ms')
+local lease, tau = num('lease_ms'), num('share_tau_ms')
 redis.call('ZADD', KEYS[2], now + lease, job .. '|' .. (a.engine or ''))
 redis.call('HSET', KEYS[3], 'w:' .. job, num('weight'))
 redis.call('PEXPIRE', KEYS[2], lease * num('state_leases'))
 redis.call('PEXPIRE', KEYS[3], lease * num('state_leases'))
 if a.back_slot then charge(num('back_slot'), num('back_epoch'), -1, -num('back_tokens'), false) end
 
--- Weighted max-min share of the jobs with a live lease, over their recent use (an EWMA).
-local tau = num('share_tau_ms')
+-- Weighted max-min share of the jobs with a live lease, over their recent use (an EWMA); the
+-- weight and use of a job whose every lease lapsed (its processes died) go.
 local function use(u, at)
   return (tonumber(u) or 0) * math.exp(-(now - (tonumber(at) or now)) / tau)
 end
@@ -184,7 +177,7 @@ local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local jobs, seen, total = {}, {}, 0
 for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  local j = string.match(m, '^(.*)|[^|]*$')
+  local j = job_of(m)
   if j and not seen[j] then
     seen[j] = true
     local w = redis.call('HMGET', KEYS[3], 'w:' .. j, 'u:' .. j, 't:' .. j)
@@ -194,10 +187,7 @@ for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     end
   end
 end
-for _, m in ipairs(gone) do  -- a job whose every lease lapsed (its processes died)
-  local j = string.match(m, '^(.*)|[^|]*$')
-  if j and not seen[j] then redis.call('HDEL', KEYS[3], 'w:' .. j, 'u:' .. j, 't:' .. j) end
-end
+for _, m in ipairs(gone) do if job_of(m) and not seen[job_of(m)] then forget(job_of(m)) end end
 local share = 1
 if #jobs > 1 then
   -- A job using under `idle` of its weighted share lends the rest; sorted by use per weight,
@@ -257,12 +247,7 @@ for d, cost in pairs({r = 1, t = tokens}) do
     if w[2] < cost then s, spent = w[1], true else w[2] = w[2] - cost end
   end
 end
-if spent then
-  if ur > 0 then tr = math.max(tr, s + tol - ir) end
-  if ut > 0 then tt = math.max(tt, s + tol - it) end
-end
-
-if ur > 0 then tr = math.max(tr, s) + ir end
-if ut > 0 then tt = math.max(tt, s) + it end
+if ur > 0 then tr = math.max(tr, s, spent and s + tol - ir or s) + ir end
+if ut > 0 then tt = math.max(tt, s, spent and s + tol - it or s) + it end
 note(s, 1, tokens)
 return reply(1, s, share, #jobs)
