@@ -351,3 +351,23 @@ def test_metrics_endpoint_exposes_llm_d_and_limiter_names(fresh_sim, valkey_url,
         "batch_llm_worker_limiter_slowdown_factor",
     ):
         assert name in exposed, name
+
+
+def test_a_429_slows_the_metered_limiter_and_shows_in_its_gauge(valkey_url):
+    # The worker's limiter reports to its metrics. Its 429 path took keyword arguments only, so
+    # the engine's `penalize(grant, retry_after_s=...)` raised TypeError out of the request.
+    from batch_llm_assets.engine import LimiterSettings
+    from batch_llm_assets.worker.metrics import MeteredLimiter, WorkerMetrics
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        limiter = MeteredLimiter(
+            client, namespace=f"test:{{{uuid.uuid4().hex[:12]}}}", settings=LimiterSettings(rpm=60)
+        )
+        limiter.metrics = WorkerMetrics().queue("q", "q")
+        grant = await limiter.acquire(1)
+        await limiter.penalize(grant, retry_after_s=None)
+        await client.aclose()
+        return limiter.metrics.slowdown._value.get()
+
+    assert asyncio.run(main()) == pytest.approx(0.7)

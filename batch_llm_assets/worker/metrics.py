@@ -248,11 +248,10 @@ class MeteredLimiter(RedisLimiter):
             self.metrics.record_grant(grant, tokens)
         return grant
 
-    async def penalize(self, **kwargs) -> float:
-        factor = await super().penalize(**kwargs)
-        if self.metrics is not None and factor:
-            self.metrics.slowdown.set(factor)
-        return factor
+    async def penalize(self, grant: Grant, *, retry_after_s: float | None) -> None:
+        await super().penalize(grant, retry_after_s=retry_after_s)
+        if self.metrics is not None:
+            self.metrics.slowdown.set(self.factor)
 
 
 async def start_metrics_server(
