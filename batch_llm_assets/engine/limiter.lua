@@ -187,7 +187,10 @@ for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     end
   end
 end
-for _, m in ipairs(gone) do if job_of(m) and not seen[job_of(m)] then forget(job_of(m)) end end
+for _, m in ipairs(gone) do
+  local j = job_of(m)
+  if j and not seen[j] then forget(j) end
+end
 local share = 1
 if #jobs > 1 then
   -- A job using under `idle` of its weighted share lends the rest; sorted by use per weight,
