@@ -18,6 +18,9 @@ from batch_llm_assets.engine import LimiterSettings, RedisLimiter, limiter_names
 
 
 def _limiter(url, namespace, *, job="job", weight=1.0, **settings):
+    # These cases read the granted slots however far ahead they are; the reach (a slot beyond
+    # it is not granted: the request waits in line) has its own tests.
+    settings.setdefault("reach_s", 3600.0)
     client = aioredis.Redis.from_url(url)
     return client, RedisLimiter(
         client, namespace=namespace, settings=LimiterSettings(**settings), job=job, weight=weight
@@ -160,8 +163,11 @@ def test_leases_lapse(redis_url, namespace):
     run(main())
 
 
-def test_weighted_shares_hold_under_saturation(redis_url, namespace):
-    settings = {"tpm": 300_000, "burst_s": 0.2}  # 5000 tokens/s, ~100 req/s
+@pytest.mark.parametrize("reach_s", [3600.0, 1.0], ids=["slots-read-ahead", "within-reach"])
+def test_weighted_shares_hold_under_saturation(redis_url, namespace, reach_s):
+    # 5000 tokens/s, ~100 req/s. Within reach, a job ahead of its own schedule by more than the
+    # reach reserves nothing there and asks again (its queue is not laid out at today's rate).
+    settings = {"tpm": 300_000, "burst_s": 0.2, "reach_s": reach_s}
 
     async def main():
         return await asyncio.gather(
@@ -427,3 +433,41 @@ def test_slots_given_back_while_alone_bank_nothing_against_a_later_job(redis_url
 
     got = run(main())
     assert got["a"] <= got["b"] + 6, got
+
+
+def test_no_slot_is_granted_beyond_the_reach_and_waiting_reserves_nothing(redis_url, namespace):
+    # 60 requests/min: a slot a second. Eight at once: the first go within the burst and the
+    # reach, the others wait in line and are granted when their slot comes within a second.
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=60, reach_s=1.0)
+        grants = await asyncio.gather(*(lim.acquire(1) for _ in range(8)))
+        await client.aclose()
+        return grants
+
+    grants = run(main())
+    assert all(g.granted and g.wait_s <= 1.05 for g in grants), [g.wait_s for g in grants]
+    slots = sorted(g.slot_ms for g in grants)
+    gaps = [b - a for a, b in itertools.pairwise(slots)]
+    # A refused ask reserved nothing: the slots follow each other a second apart, no holes.
+    assert all(950 <= g <= 1050 for g in gaps[1:]), gaps
+
+
+def test_requests_waiting_for_the_reach_go_at_the_rate_in_force_when_they_are_granted(
+    redis_url, namespace
+):
+    # The provider states 120/min (0.5 s a slot), then its full 600 (0.1 s), as when the factor
+    # recovers after a 429. Twelve requests ask at the slow rate: without the reach each is
+    # granted a slot at once, 0.5 s apart (the last 5.5 s out), and the faster rate reaches
+    # none of them; with it, those not yet within reach go at the new rate.
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600, reach_s=1.0)
+        lim.believe(rpm=120, tpm=None)
+        asks = [asyncio.ensure_future(lim.acquire(1)) for _ in range(12)]
+        await asks[0]
+        lim.believe(rpm=600, tpm=None)
+        grants = await asyncio.gather(*asks)
+        await client.aclose()
+        return grants
+
+    slots = sorted(g.slot_ms for g in run(main()))
+    assert slots[-1] - slots[0] < 3_000, slots

@@ -98,6 +98,11 @@ SHARE_IDLE = 0.5
 # TTLs: a lapsed lease is still there for the next acquire to clear its job's entries, and the
 # state of a key nobody uses any more goes by itself.
 JOB_STATE_TTL_LEASES = 4
+# No slot is granted further ahead than this: a request whose slot would be later comes back
+# then, one per engine at a time, without a reservation. So the rate in force when it is sent
+# (the factor recovering after a 429, a wider burst) applies within this long, not after the
+# whole queue of requests in flight (64 x the interval: tens of seconds at a few per second).
+GRANT_REACH_S = 1.0
 # A request takes a fresh slot, at most this many times, when it woke later than its burst after
 # its slot, or after an overload event or a widened burst made its slot stale.
 MAX_FRESH_SLOTS = 2

@@ -4,7 +4,8 @@
 --       4 this job's own schedule, 5 and 6 the minute ledgers of requests and tokens (score:
 --       grant time less `lo`, member "n:amount").
 -- ARGV: the op (acquire | settle | penalize | release), then name/value pairs.
--- Reply: {granted, wait_ms, slot_ms, factor_ppm, share_ppm, jobs, epoch, burst_ms}.
+-- Reply: {granted (1; 0 deferred for its share; 2 out of reach), wait_ms, slot_ms, factor_ppm,
+--        share_ppm, jobs, epoch, burst_ms}.
 pcall(redis.replicate_commands)
 
 local a = {}
@@ -215,6 +216,8 @@ local s = math.max(now, pause)
 if ur > 0 then s = math.max(s, tr + ir - math.max(tol, ir)) end
 if ut > 0 then s = math.max(s, tt + it - math.max(tol, it)) end
 local saturated = s > now or (ur > 0 and tr > now) or (ut > 0 and tt > now)
+-- A slot beyond the reach is not reserved: the caller asks again when it is within it.
+if s > now + num('reach_ms') then return reply(2, s - num('reach_ms'), share, #jobs) end
 
 local defer, js = false, now
 if share < 1 and num('ticket') == 0 then
@@ -224,6 +227,8 @@ if share < 1 and num('ticket') == 0 then
   local jtr, jtt = tonumber(jt[1]) or 0, tonumber(jt[2]) or 0
   js = math.max(now, ur > 0 and jtr - base or 0, ut > 0 and jtt - base or 0)
   defer = saturated and js > now
+  local reach = num('reach_ms')  -- beyond it, nothing reserved: it asks again then
+  if defer and js > now + reach then return reply(2, js - reach, share, #jobs) end
   local from = defer and js or now
   jtr, jtt = math.max(jtr, from) + ir / share, math.max(jtt, from) + it / share
   if not saturated then  -- slack used in a lull is forgiven beyond a second

@@ -4,6 +4,7 @@ told apart (redis_client.py), an outage waited out for a bounded time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -50,6 +51,7 @@ class Grant:
     active_jobs: int = 0
     burst_s: float = 0.0
     granted: bool = True
+    deferred: bool = False  # not granted: held to its job's share, its own slot reserved
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class LimiterSettings:
     burst_s: float = C.DEFAULT_BURST_S
     lease_ms: int = C.JOB_LEASE_TTL_MS
     outage_s: float = C.LIMITER_OUTAGE_S
+    reach_s: float = C.GRANT_REACH_S  # no slot granted further ahead (a test reads far slots)
 
 
 class _Warnings:
@@ -113,6 +116,7 @@ class RedisLimiter:
         self.warn = _Warnings()
         self._where = where
         self._horizon = 0.0  # the latest send time granted here (monotonic): see limiter.lua
+        self._line = asyncio.Lock()  # requests not granted at once wait here, one asking
         keys = ("state", "leases", "jobs", f"job:{job}", "ledger:r", "ledger:t")
         self._keys = [f"{namespace}:{k}" for k in keys]
 
@@ -174,9 +178,8 @@ class RedisLimiter:
         )
         granted, wait_ms, slot, factor, share, jobs, epoch, burst = (int(x) for x in res)
         self.factor, self.epoch, self.burst_s = factor / 1e6, epoch, burst / 1000
-        return Grant(
-            wait_ms / 1000, slot, epoch, 0, factor / 1e6, share / 1e6, jobs, burst / 1000, granted
-        )
+        got = (wait_ms / 1000, slot, epoch, 0, factor / 1e6, share / 1e6, jobs, burst / 1000)
+        return Grant(*got, granted=granted == 1, deferred=granted == 0)
 
     async def acquire(
         self, tokens: int, *, deadline: float | None = None, give_back: Grant | None = None
@@ -184,24 +187,31 @@ class RedisLimiter:
         """Reserve one request of `tokens` tokens: the wait before sending. `give_back` returns
         an older grant's reservation in the same call (a fresh slot for a stale one).
 
-        A job over its share while the schedule is saturated waits with its own slot reserved
-        and asks again; a deferral past the deadline is returned as it is (not granted)."""
-        ticket = 0
+        Not granted at once: a job over its share while the schedule is saturated (its own slot
+        reserved, it asks again with a ticket), or a slot beyond GRANT_REACH_S (nothing
+        reserved): such requests of this engine wait in line, the first asking again when its
+        wait is over. A wait past the deadline is returned as it is (not granted)."""
         back: list[object] = []
         if give_back is not None and give_back.granted:
             back = ["back_slot", give_back.slot_ms, "back_epoch", give_back.epoch]
             back += ["back_tokens", give_back.tokens]
+        ticket, due = 0, 0.0
+        in_line = self._line.locked()  # others of this engine wait for the reach: behind them
         while True:
-            grant = await self._call("acquire", *self._acquire_args(tokens, ticket), *back)
-            back = []
-            grant = replace(grant, tokens=tokens)
-            if grant.granted:
-                self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
+            async with self._line if in_line else contextlib.nullcontext():
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                grant = await self._ask(tokens, ticket, back)
+            if grant.granted or _too_late(grant, deadline):
                 return grant
-            if deadline is not None and time.monotonic() + grant.wait_s > deadline:
-                return grant
-            await asyncio.sleep(grant.wait_s)
-            ticket = 1
+            back, due = [], time.monotonic() + grant.wait_s
+            # Held to its share, its own slot is reserved: it sleeps to it out of the line.
+            in_line, ticket = not grant.deferred, ticket or int(grant.deferred)
+
+    async def _ask(self, tokens: int, ticket: int, back: list[object]) -> Grant:
+        grant = await self._call("acquire", *self._acquire_args(tokens, ticket), *back)
+        if grant.granted:
+            self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)
+        return replace(grant, tokens=tokens)
 
     def _acquire_args(self, tokens: int, ticket: int) -> list[object]:
         s = self.settings
@@ -210,7 +220,7 @@ class RedisLimiter:
             *("lease_ms", s.lease_ms, "state_leases", C.JOB_STATE_TTL_LEASES),
             *("share_tau_ms", C.SHARE_TAU_MS, "idle", C.SHARE_IDLE),
             *("ceil_rpm", s.rpm or 0, "ceil_tpm", s.tpm or 0),
-            *("free_ms", C.CEILING_FREE_BURST_S * 1000),
+            *("free_ms", C.CEILING_FREE_BURST_S * 1000, "reach_ms", s.reach_s * 1000),
         ]
 
     async def settle(
@@ -256,3 +266,7 @@ class RedisLimiter:
             await self._call("release", wait=False)
         except LimiterError:
             pass  # the lease lapses by itself
+
+
+def _too_late(grant: Grant, deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() + grant.wait_s > deadline
