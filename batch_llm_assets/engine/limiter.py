@@ -4,7 +4,6 @@ told apart (redis_client.py), an outage waited out for a bounded time."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -195,17 +194,33 @@ class RedisLimiter:
         if give_back is not None and give_back.granted:
             back = ["back_slot", give_back.slot_ms, "back_epoch", give_back.epoch]
             back += ["back_tokens", give_back.tokens]
-        ticket, due = 0, 0.0
-        in_line = self._line.locked()  # others of this engine wait for the reach: behind them
-        while True:
-            async with self._line if in_line else contextlib.nullcontext():
+        grant, ticket = None, 0
+        # Others of this engine wait for the reach: it goes behind them, unless it trades a
+        # stale slot (it was ahead of them).
+        if back or not self._line.locked():
+            grant = await self._ask(tokens, ticket, back)
+        while grant is None or not (grant.granted or _too_late(grant, deadline)):
+            if grant is not None and grant.deferred:
+                # Held to its share, its own slot is reserved: it sleeps to it out of the line.
+                await asyncio.sleep(grant.wait_s)
+                grant, ticket = await self._ask(tokens, 1, []), 1
+                continue
+            grant = await self._wait_in_line(tokens, ticket, grant, deadline)
+        return grant
+
+    async def _wait_in_line(
+        self, tokens: int, ticket: int, grant: Grant | None, deadline: float | None
+    ) -> Grant:
+        """The line's head alone sleeps and asks again, until a slot within the reach is granted
+        (or it is deferred for its share, or too late): one call per grant, not one per waiter."""
+        due = time.monotonic() + (grant.wait_s if grant is not None else 0.0)
+        async with self._line:
+            while True:
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
-                grant = await self._ask(tokens, ticket, back)
-            if grant.granted or _too_late(grant, deadline):
-                return grant
-            back, due = [], time.monotonic() + grant.wait_s
-            # Held to its share, its own slot is reserved: it sleeps to it out of the line.
-            in_line, ticket = not grant.deferred, ticket or int(grant.deferred)
+                grant = await self._ask(tokens, ticket, [])
+                if grant.granted or grant.deferred or _too_late(grant, deadline):
+                    return grant
+                due = time.monotonic() + grant.wait_s
 
     async def _ask(self, tokens: int, ticket: int, back: list[object]) -> Grant:
         grant = await self._call("acquire", *self._acquire_args(tokens, ticket), *back)
