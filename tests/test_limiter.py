@@ -472,8 +472,17 @@ def test_requests_waiting_for_the_reach_go_at_the_rate_in_force_when_they_are_gr
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600, reach_s=1.0)
         lim.believe(rpm=120, tpm=None)
+        call, replies = lim._call, []
+
+        async def counted(op, *args, **kwargs):
+            reply = await call(op, *args, **kwargs)
+            replies.append(op)
+            return reply
+
+        lim._call = counted
         asks = [asyncio.ensure_future(lim.acquire(1)) for _ in range(12)]
-        await asks[0]
+        while len(replies) < 12:  # each has asked once, at the slow rate
+            await asyncio.sleep(0.01)
         lim.believe(rpm=600, tpm=None)
         grants = await asyncio.gather(*asks)
         await client.aclose()
