@@ -24,11 +24,15 @@ def _controller(**limits) -> Controller:
     return Controller(lim)
 
 
-def _answers(ctl: Controller, answers) -> None:
-    """Feed answers (sent at, remaining requests, reset s) to the controller."""
+def _answers(ctl: Controller, answers, limit: int | None = None) -> None:
+    """Feed answers (sent at, remaining requests, reset s) to the controller, with `limit` as
+    x-ratelimit-limit-requests."""
     for sent_at, remaining, reset_s in answers:
         mark = (sent_at, *ctl._sent)
-        ctl.observe(ProviderLimits(remaining_requests=remaining, reset_requests_s=reset_s), mark)
+        limits = ProviderLimits(
+            limit_requests=limit, remaining_requests=remaining, reset_requests_s=reset_s
+        )
+        ctl.observe(limits, mark)
 
 
 def test_a_window_is_told_from_a_bucket_by_its_headers():
@@ -100,6 +104,27 @@ def test_a_windows_reset_is_counted_from_the_answers_arrival():
         ProviderLimits(remaining_requests=10, reset_requests_s=0.5), (sent, *ctl._sent)
     )
     assert view["reset_r"] == pytest.approx(520, abs=1), view
+
+
+def test_a_windows_limit_stated_as_its_capacity_is_not_read_as_per_minute():
+    # A gateway's 30 s window of 300 requests (600/min), its x-ratelimit-limit the window's
+    # 300. Read per minute it halved the rate: a job sized for 12 s took 24 and ran out of time.
+    ctl = _controller(rpm=600)
+    _answers(ctl, [(t / 10, 300 - t, 30.0 - t / 10) for t in range(0, 30, 3)], limit=300)
+    assert ctl._dims[0].window
+    assert ctl.limiter.rpm == 600
+
+
+def test_a_windows_limit_stated_per_minute_is_believed_below_the_configured_one():
+    # 600/min in 10 s windows of 100, configured 720: the stated limit is believed, also when
+    # the first answer came late in a window (1 s windows: a short reset, much left).
+    ten = _controller(rpm=720)
+    _answers(ten, [(t / 10, 100 - t, 10.0 - t / 10) for t in range(0, 30, 3)], limit=600)
+    assert ten.limiter.rpm == 600
+    one = _controller(rpm=7200)
+    answers = [(0.0, 99, 0.3)] + [(0.3 + t / 100, 99 - t, 0.95 - t / 100) for t in range(0, 60)]
+    _answers(one, answers, limit=6000)
+    assert one.limiter.rpm == 6000
 
 
 # -- against the simulator, over HTTP ----------------------------------------------------------
@@ -178,6 +203,18 @@ def test_a_per_minute_limit_enforced_per_second_is_used_without_a_storm(fresh_si
     ideal = stats["admitted_tokens"] / (96_000 / 60)  # about 12 s at the configured rate
     assert took < 1.2 * ideal + 1.0, (took, ideal)
     assert stats.get("rate_limited", 0) <= 2  # 1 %
+
+
+def test_a_gateways_window_capacity_in_its_limit_header_does_not_slow_the_job(
+    fresh_sim, valkey_url
+):
+    # 600 requests/min in fixed 30 s windows whose x-ratelimit-limit is the window's 300: 80
+    # requests fit the window; at the configured rate they take 8 s, not 16 at half of it.
+    fresh_sim.configure(rpm=600, enforcement="fixed_window", window_s=30.0, limit_header="capacity")
+    results, _, rpm, _ = _run(fresh_sim, valkey_url, 80, job="gateway", rpm=600)
+    assert all(x.ok for x in results)
+    assert rpm == 600
+    assert fresh_sim.stats().get("rate_limited", 0) == 0
 
 
 def test_a_busy_host_does_not_lower_the_limits_the_provider_states(fresh_sim, valkey_url):

@@ -117,6 +117,10 @@ WINDOW_RESET_MARGIN_S = 0.02
 # A x-ratelimit-limit-* below the configured limit is a per-minute limit (and lowers the rate)
 # when it is at least this fraction of it; a smaller one is taken for a bucket's capacity.
 PER_MINUTE_LIMIT_FRACTION = 0.5
+# x-ratelimit-limit is a capacity, not per minute, where a window has more left than the limit
+# per minute allows over its longest reset seen, by this factor (a window's remaining at its
+# start is exactly that much under a per-minute limit: the margin is for rounding and latency).
+CAPACITY_READING_MARGIN = 1.25
 # The reservation's scale-up (or down) to the provider's own prompt count, learned from usage:
 # the ratio of the sums over about CALIBRATION_ANSWERS latest answers, within these bounds.
 CALIBRATION_MIN = 0.5

@@ -37,6 +37,7 @@ class _Dim:
     window: bool = False  # WINDOW_VOTES draws saw its reset count down: for the engine's life
     votes: int = 0
     anchor: tuple[float, float] | None = None  # (remaining, reset) of an earlier answer
+    reset_max: float = 0.0  # the longest reset seen: a window is at least that long
 
     def vote(self, remaining: float, reset_s: float, per_s: float) -> None:
         """A bucket's reset is when it is full again: drawn down by X, it grows by the time the
@@ -111,7 +112,7 @@ class Controller:
 
     def observe(self, limits: ProviderLimits, mark: Mark) -> dict[str, float]:
         """What the limiter's `settle` is told of one answer's headers (see limiter.lua)."""
-        out: dict[str, float] = {"restart": 1} if self._believe(limits) else {}
+        out: dict[str, float] = {}
         caps: list[float] = []
         unknown = False  # a dimension that reports but is not known a bucket: no wider burst
         dims = (
@@ -124,6 +125,7 @@ class Controller:
             d = self._dims[i]
             if reset_s is not None:
                 d.vote(remaining, reset_s, rate / 60)
+                d.reset_max = max(d.reset_max, reset_s)
             # What went after this request is not in its remaining yet.
             out[f"rem_{name}"] = remaining - self._since(mark, i)
             # A window: what it has left holds every process's grants until its reset (the
@@ -143,16 +145,31 @@ class Controller:
             out["cap_ms"] = 0.0  # the default burst
         elif caps and not unknown:
             out["cap_ms"] = (min(caps) - C.LEARNED_BURST_MARGIN_S) * 1000
+        if self._believe(limits):
+            out["restart"] = 1
         return out
 
     def _believe(self, limits: ProviderLimits) -> bool:
-        """x-ratelimit-limit-* as a per-minute limit, when it reads as one (not a capacity)."""
+        """x-ratelimit-limit-* as a per-minute limit (OpenAI's and Anthropic's are), unless it
+        reads as a capacity. Far under the configured limit, it is ignored. Where the provider
+        leaves more than a per-minute limit leaves over the longest reset seen (a window's
+        reset counts its length at most), it is the capacity of a shorter period, as API
+        gateways state it (the IETF RateLimit-Limit draft: the quota of its window): the
+        configured rate stands, and the window's own remaining holds the grants (limiter.lua).
+        A bucket's reset is the time to refill what was drawn, not a period: not read so."""
         lim = self.limiter
-        stated = []
-        for configured, limit in (
-            (lim.settings.rpm, limits.limit_requests),
-            (lim.settings.tpm, limits.limit_tokens),
+        stated: list[int | None] = []
+        for d, configured, limit, remaining in zip(
+            self._dims,
+            (lim.settings.rpm, lim.settings.tpm),
+            (limits.limit_requests, limits.limit_tokens),
+            (limits.remaining_requests, limits.remaining_tokens),
+            strict=True,
         ):
-            per_minute = configured and limit and limit >= C.PER_MINUTE_LIMIT_FRACTION * configured
-            stated.append(limit if per_minute else None)
+            if not (configured and limit and limit >= C.PER_MINUTE_LIMIT_FRACTION * configured):
+                stated.append(None)
+                continue
+            per_period = limit * d.reset_max / 60 * C.CAPACITY_READING_MARGIN
+            capacity = not d.bucket and remaining is not None and 0 < per_period < remaining
+            stated.append(configured if capacity else limit)
         return any(s is not None for s in stated) and lim.believe(rpm=stated[0], tpm=stated[1])
