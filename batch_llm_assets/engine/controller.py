@@ -38,6 +38,7 @@ class _Dim:
     votes: int = 0
     anchor: tuple[float, float] | None = None  # (remaining, reset) of an earlier answer
     reset_max: float = 0.0  # the longest reset seen: a window is at least that long
+    capacity: bool = False  # a window whose x-ratelimit-limit is its quota: for the engine's life
 
     def vote(self, remaining: float, reset_s: float, per_s: float) -> None:
         """A bucket's reset is when it is full again: drawn down by X, it grows by the time the
@@ -151,12 +152,12 @@ class Controller:
 
     def _believe(self, limits: ProviderLimits) -> bool:
         """x-ratelimit-limit-* as a per-minute limit (OpenAI's and Anthropic's are), unless it
-        reads as a capacity. Far under the configured limit, it is ignored. Where the provider
-        leaves more than a per-minute limit leaves over the longest reset seen (a window's
-        reset counts its length at most), it is the capacity of a shorter period, as API
-        gateways state it (the IETF RateLimit-Limit draft: the quota of its window): the
-        configured rate stands, and the window's own remaining holds the grants (limiter.lua).
-        A bucket's reset is the time to refill what was drawn, not a period: not read so."""
+        reads as a capacity. Far under the configured limit, it is ignored. A window with more
+        left than a per-minute limit leaves over its longest reset (a window's reset counts its
+        length at most) states its quota, as API gateways do (the IETF RateLimit-Limit draft:
+        the quota of its window): from then on the configured rate stands, and the window's
+        own remaining holds the grants (limiter.lua). A bucket's reset is the time to refill
+        what was drawn, not a period: a bucket is not read so."""
         lim = self.limiter
         stated: list[int | None] = []
         for d, configured, limit, remaining in zip(
@@ -169,7 +170,9 @@ class Controller:
             if not (configured and limit and limit >= C.PER_MINUTE_LIMIT_FRACTION * configured):
                 stated.append(None)
                 continue
-            per_period = limit * d.reset_max / 60 * C.CAPACITY_READING_MARGIN
-            capacity = not d.bucket and remaining is not None and 0 < per_period < remaining
-            stated.append(configured if capacity else limit)
+            per_window = limit * d.reset_max / 60 * C.CAPACITY_READING_MARGIN
+            d.capacity = d.capacity or (
+                d.window and remaining is not None and remaining > per_window
+            )
+            stated.append(configured if d.capacity else limit)
         return any(s is not None for s in stated) and lim.believe(rpm=stated[0], tpm=stated[1])
