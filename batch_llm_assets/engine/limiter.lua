@@ -1,36 +1,31 @@
 -- The shared rate limiter: one atomic call per op, on Redis server time. docs/engine.md states
 -- the algorithm; every number comes from engine/_constants.py with each call.
 -- KEYS: 1 state hash, 2 leases zset (job|engine -> expiry), 3 jobs hash (w:, u:, t: per job),
---       4 this job's own schedule, 5 and 6 the minute ledgers of requests and tokens (score:
---       grant time less `lo`, member "n:amount").
--- ARGV: the op (acquire | settle | penalize | release), then name/value pairs.
--- Reply: {granted (1; 0 deferred for its share; 2 out of reach), wait_ms, slot_ms, factor_ppm,
---        share_ppm, jobs, epoch, burst_ms}.
+--   4 this job's own schedule, 5 and 6 the minute ledgers of requests and tokens (score: grant
+--   time less `lo`, member "n:amount").
+-- ARGV: the op (acquire | settle | penalize | release), then name/value pairs. Reply: {granted
+--   (1; 0 deferred for its share; 2 out of reach), wait_ms, slot_ms, factor_ppm, share_ppm,
+--   jobs, epoch, burst_ms}.
 pcall(redis.replicate_commands)
-
 local a = {}
 for i = 2, #ARGV, 2 do a[ARGV[i]] = ARGV[i + 1] end
 local function num(k) return tonumber(a[k]) or 0 end
-local op, job = ARGV[1], a.job or ''
-local t = redis.call('TIME')
+local op, job, t = ARGV[1], a.job or '', redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
-local S = KEYS[1]
-local v = redis.call('HMGET', S, 'tr', 'tt', 'f', 'ft', 'fr', 'pause', 'ep', 'b', 'lt', 'lo',
-  'sr', 'st', 'n', 'wer', 'wrr', 'wet', 'wrt')
-for i = 1, #v do v[i] = tonumber(v[i]) end
+local S, F = KEYS[1], {'tr', 'tt', 'f', 'ft', 'fr', 'pause', 'ep', 'b', 'lt', 'lo', 'sr', 'st',
+  'n', 'wer', 'wrr', 'wet', 'wrt'}
+local v = redis.call('HMGET', S, unpack(F))
+for i = 1, #F do v[i] = tonumber(v[i]) end
 local base = num('burst_ms')
 local tr, tt, f0, ft, fr = v[1], v[2], v[3] or 1, v[4] or now, v[5] or 1
 local pause, ep, b, lo = v[6] or 0, v[7] or 0, math.max(base, v[8] or base), v[10] or 0
 local sr, stk, n = v[11] or 0, v[12] or 0, v[13] or 0
 -- A window the provider enforces, per dimension: when it resets, and what it has left.
 local win = {r = {v[14] or 0, v[15] or 0}, t = {v[16] or 0, v[17] or 0}}
-if not tr then
-  -- No state: a first call, or a server that lost its data while this caller holds sends up to
-  -- `ahead` ms from now: then start after those with a spent burst, not with a full bucket.
-  tr = num('ahead') > 0 and now + num('ahead') + base or 0
-  tt = tr
-end
+-- No state: a first call, or a server that lost its data while this caller holds sends up to
+-- `ahead` ms from now: then start after those with a spent burst, not with a full bucket.
+if not tr then tr = num('ahead') > 0 and now + num('ahead') + base or 0; tt = tr end
 if v[9] and now < v[9] then
   -- Redis TIME stepped back (a failover to a server with another clock): shift stored times.
   local step = v[9] - now
@@ -47,11 +42,9 @@ local factor = math.min(f0 + rec * dt, math.max(f0, fr))
   + rec / slow * math.max(0, dt - math.max(0, (fr - f0) / rec))
 factor = math.max(minf, math.min(1, factor))
 -- Interval (ms) per unit at the believed rate times the factor; 0: a dimension not limited.
-local rpm, tpm = num('rpm'), num('tpm')
-local ur, ut = 0, 0
+local rpm, tpm, ur, ut = num('rpm'), num('tpm'), 0, 0
 local function rates()
-  ur = rpm > 0 and 60000 / (rpm * factor) or 0
-  ut = tpm > 0 and 60000 / (tpm * factor) or 0
+  ur, ut = rpm > 0 and 60000 / (rpm * factor) or 0, tpm > 0 and 60000 / (tpm * factor) or 0
 end
 rates()
 
@@ -76,9 +69,11 @@ local function note(slot, dr, dtk)
 end
 
 local function reply(granted, s, share, jobs)
-  redis.call('HSET', S, 'tr', tr, 'tt', tt, 'f', f0, 'ft', ft, 'fr', fr, 'pause', pause,
-    'ep', ep, 'b', b, 'lt', now, 'lo', lo, 'sr', sr, 'st', stk, 'n', n, 'wer', win.r[1],
-    'wrr', win.r[2], 'wet', win.t[1], 'wrt', win.t[2])
+  local vals = {tr, tt, f0, ft, fr, pause, ep, b, now, lo, sr, stk, n, win.r[1], win.r[2],
+    win.t[1], win.t[2]}
+  local kv = {}
+  for i = 1, #F do kv[2 * i - 1], kv[2 * i] = F[i], vals[i] end
+  redis.call('HSET', S, unpack(kv))
   local ttl = math.ceil(math.max(tr, tt, pause, now) - now) + num('ttl_ms')
   for _, i in ipairs({1, 4, 5, 6}) do redis.call('PEXPIRE', KEYS[i], ttl) end
   return {granted, math.ceil(math.max(0, s - now)), math.floor(s), math.floor(factor * 1e6),
@@ -127,9 +122,8 @@ if op == 'settle' then
   -- An answer: its reservation reconciled with the usage; the burst is the bucket the
   -- provider's headers show (an answer of this epoch: older ones may predate a 429); a wider
   -- burst or a lower believed rate restarts the schedule.
-  local gep, restart = num('epoch'), num('restart') == 1
+  local gep, restart, wider = num('epoch'), num('restart') == 1, false
   charge(num('slot'), gep, num('requests'), num('tokens'), true)
-  local wider = false
   if a.cap_ms and gep == ep then
     local cap = math.max(base, math.min(num('cap_ms'), num('max_burst_ms')))
     wider, b = cap >= math.max(num('wider') * b, b + base), cap
@@ -163,10 +157,11 @@ end
 -- the ledgers (the schedule keeps it: given back there, every fresh slot taken that way would
 -- be the same instant).
 local lease, tau = num('lease_ms'), num('share_tau_ms')
+local ttl = lease * num('state_leases')
 redis.call('ZADD', KEYS[2], now + lease, job .. '|' .. (a.engine or ''))
 redis.call('HSET', KEYS[3], 'w:' .. job, num('weight'))
-redis.call('PEXPIRE', KEYS[2], lease * num('state_leases'))
-redis.call('PEXPIRE', KEYS[3], lease * num('state_leases'))
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('PEXPIRE', KEYS[3], ttl)
 if a.back_slot then charge(num('back_slot'), num('back_epoch'), -1, -num('back_tokens'), false) end
 
 -- Weighted max-min share of the jobs with a live lease, over their recent use (an EWMA); the
@@ -182,10 +177,8 @@ for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   if j and not seen[j] then
     seen[j] = true
     local w = redis.call('HMGET', KEYS[3], 'w:' .. j, 'u:' .. j, 't:' .. j)
-    if (tonumber(w[1]) or 0) > 0 then
-      jobs[#jobs + 1] = {j, tonumber(w[1]), use(w[2], w[3])}
-      total = total + tonumber(w[1])
-    end
+    local wt = tonumber(w[1]) or 0
+    if wt > 0 then jobs[#jobs + 1], total = {j, wt, use(w[2], w[3])}, total + wt end
   end
 end
 for _, m in ipairs(gone) do
@@ -207,27 +200,26 @@ end
 
 -- End-based GCRA: the request must fit within the tolerance before its send time. The learned
 -- burst only while the minute's ledgers leave room under the configured limits.
-local tokens = num('tokens')
+local tokens, reach, ticket = num('tokens'), num('reach_ms'), num('ticket')
 local ir, it = ur, tokens * ut
-local roomy = (rpm == 0 or sr + 1 <= num('ceil_rpm')) and
-  (tpm == 0 or stk + tokens <= num('ceil_tpm'))
+local roomy = (rpm == 0 or sr + 1 <= num('ceil_rpm'))
+  and (tpm == 0 or stk + tokens <= num('ceil_tpm'))
 local tol = roomy and b or math.min(base, num('free_ms'))
 local s = math.max(now, pause)
 if ur > 0 then s = math.max(s, tr + ir - math.max(tol, ir)) end
 if ut > 0 then s = math.max(s, tt + it - math.max(tol, it)) end
 local saturated = s > now or (ur > 0 and tr > now) or (ut > 0 and tt > now)
 -- A slot beyond the reach is not reserved: the caller asks again when it is within it.
-if s > now + num('reach_ms') then return reply(2, s - num('reach_ms'), share, #jobs) end
+if s > now + reach then return reply(2, s - reach, share, #jobs) end
 
 local defer, js = false, now
-if share < 1 and num('ticket') == 0 then
+if share < 1 and ticket == 0 then
   -- While saturated a job is held to its share: ahead of its own schedule, it waits with its
-  -- slot there reserved and comes back with a ticket that skips this check.
+  -- slot there reserved (within the reach) and comes back with a ticket that skips this check.
   local jt = redis.call('HMGET', KEYS[4], 'tr', 'tt')
   local jtr, jtt = tonumber(jt[1]) or 0, tonumber(jt[2]) or 0
   js = math.max(now, ur > 0 and jtr - base or 0, ut > 0 and jtt - base or 0)
   defer = saturated and js > now
-  local reach = num('reach_ms')  -- beyond it, nothing reserved: it asks again then
   if defer and js > now + reach then return reply(2, js - reach, share, #jobs) end
   local from = defer and js or now
   jtr, jtt = math.max(jtr, from) + ir / share, math.max(jtt, from) + it / share
@@ -239,7 +231,7 @@ if share < 1 and num('ticket') == 0 then
 end
 -- A job's use counts what it reserves when it asks (deferred too, not again with the ticket):
 -- a job whose requests all wait on its own schedule is not idle, or it would lend its share.
-if num('ticket') == 0 then
+if ticket == 0 then
   local u = redis.call('HMGET', KEYS[3], 'u:' .. job, 't:' .. job)
   local used = use(u[1], u[2]) + math.max(ir, it) / tau
   redis.call('HSET', KEYS[3], 'u:' .. job, used, 't:' .. job, now)
