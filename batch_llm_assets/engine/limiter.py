@@ -199,7 +199,7 @@ class RedisLimiter:
         # stale slot (it was ahead of them).
         if back or not self._line.locked():
             grant = await self._ask(tokens, ticket, back)
-        while grant is None or not (grant.granted or _too_late(grant, deadline)):
+        while grant is None or not (grant.granted or passes(deadline, grant.wait_s)):
             if grant is not None and grant.deferred:
                 # Held to its share, its own slot is reserved: it sleeps to it out of the line.
                 await asyncio.sleep(grant.wait_s)
@@ -218,7 +218,7 @@ class RedisLimiter:
             while True:
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
                 grant = await self._ask(tokens, ticket, [])
-                if grant.granted or grant.deferred or _too_late(grant, deadline):
+                if grant.granted or grant.deferred or passes(deadline, grant.wait_s):
                     return grant
                 due = time.monotonic() + grant.wait_s
 
@@ -283,5 +283,6 @@ class RedisLimiter:
             pass  # the lease lapses by itself
 
 
-def _too_late(grant: Grant, deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() + grant.wait_s > deadline
+def passes(deadline: float | None, wait_s: float) -> bool:
+    """Would a send after waiting `wait_s` come after the deadline (time.monotonic())?"""
+    return deadline is not None and time.monotonic() + wait_s > deadline

@@ -16,7 +16,7 @@ import time
 from . import _constants as C
 from . import errors as E
 from .controller import Controller, Mark
-from .limiter import Grant, RedisLimiter
+from .limiter import Grant, RedisLimiter, passes
 from .transport import ChatResponse
 from .usage import parse_limits
 
@@ -60,7 +60,7 @@ class Pacer:
         grant = await self._acquire(reserve, deadline, None)
         fresh = 0
         while True:  # sleep to the slot, or take a fresh one
-            if not grant.granted or _passes(deadline, grant.wait_s):
+            if not grant.granted or passes(deadline, grant.wait_s):
                 await self.limiter.give_back(grant)
                 return None
             due = time.monotonic() + grant.wait_s
@@ -163,10 +163,6 @@ class Pacer:
     async def drain(self, timeout_s: float) -> None:
         if self._feedback:
             await asyncio.wait(set(self._feedback), timeout=timeout_s)
-
-
-def _passes(deadline: float | None, wait_s: float) -> bool:
-    return deadline is not None and time.monotonic() + wait_s > deadline
 
 
 def _resolve(future: asyncio.Future[int], value: int) -> None:
