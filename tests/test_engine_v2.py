@@ -399,6 +399,23 @@ def test_openai_durations_and_plain_seconds_are_read():
     assert parse_duration("soon") is None and parse_duration(None) is None
 
 
+def test_rate_limit_headers_that_are_not_numbers_a_provider_could_mean_are_ignored():
+    # A header of infinity raised OverflowError out of the answer's feedback; an infinite reset
+    # would have held a window's grants forever; a negative count is no count (a negative reset
+    # stays 0: a rounding of "now").
+    from batch_llm_assets.engine.usage import ProviderLimits, parse_limits
+
+    for bad in ("inf", "-inf", "nan", "1e400", "-5", "\ud800", "soon"):
+        counts = {f"x-ratelimit-{k}-{d}": bad for k in ("limit", "remaining") for d in DIMS}
+        assert parse_limits(counts) == ProviderLimits(), bad
+    for bad in ("inf", "nan", "1e400", "\ud800", "soon"):
+        resets = {f"x-ratelimit-reset-{d}": bad for d in DIMS}
+        assert parse_limits(resets) == ProviderLimits(), bad
+
+
+DIMS = ("requests", "tokens")
+
+
 def test_usage_in_every_shape():
     from batch_llm_assets.engine.usage import parse_usage
 

@@ -8,6 +8,7 @@ duration format (6m0s, 1.5s, 12ms) or plain seconds.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -62,9 +63,11 @@ def parse_duration(value: str | None) -> float | None:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # NaN or infinity says nothing: a window "reset" at infinity would hold every grant
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     parts = _DURATION_PART.findall(value)
     if not parts or "".join(n + u for n, u in parts) != value:
         return None
@@ -88,10 +91,12 @@ class ProviderLimits:
 
 
 def _header_int(headers: dict[str, str], name: str) -> int | None:
+    """A count of the provider's; None if missing, not a number, infinite or negative."""
     try:
-        return int(float(headers[name]))
-    except (KeyError, ValueError):
+        value = int(float(headers[name]))
+    except (KeyError, ValueError, OverflowError):
         return None
+    return value if value >= 0 else None
 
 
 def parse_limits(headers: dict[str, str]) -> ProviderLimits:
