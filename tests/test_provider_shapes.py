@@ -113,6 +113,13 @@ def test_a_windows_limit_stated_as_its_capacity_is_not_read_as_per_minute():
     _answers(ctl, [(t / 10, 300 - t, 30.0 - t / 10) for t in range(0, 30, 3)], limit=300)
     assert ctl._dims[0].window
     assert ctl.limiter.rpm == 600
+    # The first answer half a second into the window: the rate believed after it (300, read
+    # per minute) made the next answers look like a bucket at sight (298 left at 5/s, full
+    # again in 29 s), so the window was never seen and the job burst the window at once.
+    late = _controller(rpm=600)
+    _answers(late, [(0.55 + t / 10, 299 - t, 29.45 - t / 10) for t in range(0, 30, 3)], limit=300)
+    assert late._dims[0].window and not late._dims[0].bucket
+    assert late.limiter.rpm == 600
 
 
 def test_a_windows_limit_stated_per_minute_is_believed_below_the_configured_one():

@@ -116,16 +116,20 @@ class Controller:
         out: dict[str, float] = {}
         caps: list[float] = []
         unknown = False  # a dimension that reports but is not known a bucket: no wider burst
+        lim = self.limiter
         dims = (
-            ("r", self.limiter.rpm, limits.remaining_requests, limits.reset_requests_s),
-            ("t", self.limiter.tpm, limits.remaining_tokens, limits.reset_tokens_s),
+            ("r", lim.rpm, lim.settings.rpm, limits.remaining_requests, limits.reset_requests_s),
+            ("t", lim.tpm, lim.settings.tpm, limits.remaining_tokens, limits.reset_tokens_s),
         )
-        for i, (name, rate, remaining, reset_s) in enumerate(dims):
+        for i, (name, rate, configured, remaining, reset_s) in enumerate(dims):
             if not rate or remaining is None:
                 continue
             d = self._dims[i]
             if reset_s is not None:
-                d.vote(remaining, reset_s, rate / 60)
+                # At the configured rate: the believed one may have been lowered by a header
+                # that states a window's quota, and at half its rate a 30 s window of 300
+                # requests, seen at its start, reads as a bucket at sight.
+                d.vote(remaining, reset_s, (configured or rate) / 60)
                 d.reset_max = max(d.reset_max, reset_s)
             # What went after this request is not in its remaining yet.
             out[f"rem_{name}"] = remaining - self._since(mark, i)
@@ -138,7 +142,7 @@ class Controller:
                 # answers (not as it admits) ends the window later than the send + reset.
                 out[f"reset_{name}"] = (reset_s + C.WINDOW_RESET_MARGIN_S) * 1000
             elif reset_s is not None and d.bucket:
-                per_s = rate * self.limiter.factor / 60
+                per_s = rate * lim.factor / 60
                 caps.append(remaining / per_s + reset_s * rate / 60 / per_s)
             else:
                 unknown = True
