@@ -65,13 +65,13 @@ def parse_duration(value: str | None) -> float | None:
     try:
         seconds = float(value)
     except ValueError:
-        pass
-    else:  # NaN or infinity says nothing: a window "reset" at infinity would hold every grant
-        return max(0.0, seconds) if math.isfinite(seconds) else None
-    parts = _DURATION_PART.findall(value)
-    if not parts or "".join(n + u for n, u in parts) != value:
-        return None
-    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+        parts = _DURATION_PART.findall(value)
+        if not parts or "".join(n + u for n, u in parts) != value:
+            return None
+        seconds = sum(float(n) * _UNIT_S[u] for n, u in parts)
+    # NaN or infinity (also a duration of 400 digits) says nothing: a window "reset" at
+    # infinity would hold every grant
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 @dataclass(frozen=True, slots=True)
