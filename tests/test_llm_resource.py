@@ -238,6 +238,35 @@ def test_bad_base_url_is_a_clear_error():
         LLMResource(base_url="api.openai.com")
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("job_weight", float("inf")),  # every other job's share NaN in the limiter
+        ("job_weight", float("nan")),
+        ("deadline_s", float("nan")),  # never reached: no deadline at all
+        ("deadline_s", -1.0),  # every row deadline_exceeded, nothing sent
+        ("deadline_s", float("inf")),
+        ("request_timeout_s", float("inf")),
+        ("price_input_per_1m", float("nan")),  # NaN costs in the metadata and the budget
+        ("price_output_per_1m", -2.0),  # a negative cost frees budget
+        ("price_cached_input_per_1m", float("inf")),
+        ("job_key", ""),
+        ("job_key", "team\udc80"),  # a lone surrogate: no Redis key can hold it
+        ("job_key", "a\nb"),  # a line break in the limiter's lease members and logs
+        ("job_key", "a\x85b"),  # a C1 control character (NEL, a line break to some readers)
+        ("job_key", "j" * 201),
+    ],
+)
+def test_a_config_value_no_run_could_use_is_refused_naming_its_field(field, value):
+    with pytest.raises(Exception, match=field) as err:
+        LLMResource(**{field: value})
+    assert "validation error" in str(err.value)
+
+
+def test_a_job_key_may_hold_any_printable_text():
+    assert LLMResource(job_key="team a|b: ünïcode ✓").job_key == "team a|b: ünïcode ✓"
+
+
 def test_an_engine_holds_a_bounded_pool_of_redis_connections(fresh_sim, valkey_url):
     # 64 in flight used to open 64 connections to the limiter's Redis on the first wave of
     # acquires (40-80 ms before the first send, and 64 clients per process on the server).

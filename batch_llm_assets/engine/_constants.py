@@ -62,6 +62,9 @@ FALLBACK_ESTIMATE_MARGIN = 0.25
 # One log line per kind of limiter warning per this many seconds.
 WARN_EVERY_S = 10.0
 
+# A job_key names Redis keys (the limiter's leases and shares, the daily budget): this long at most.
+MAX_JOB_KEY_CHARS = 200
+
 # -- The rate controller (docs/engine.md states it; limiter.lua receives these as arguments) --
 # Burst after idle time, in seconds of the rate (never a full minute).
 DEFAULT_BURST_S = 0.5

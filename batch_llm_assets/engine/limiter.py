@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -100,8 +101,8 @@ class RedisLimiter:
         weight: float = 1.0,
         where: str = "redis",
     ) -> None:
-        if not weight > 0:
-            raise ValueError(f"job weight must be > 0, got {weight}")
+        if not 0 < weight < math.inf:
+            raise ValueError(f"job weight must be a finite number > 0, got {weight}")
         self._redis = client
         self._script = client.register_script(_SCRIPT)
         self.settings = settings

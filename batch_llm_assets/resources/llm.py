@@ -18,7 +18,7 @@ from ..engine.profiles import Profile, profile_for
 from ..engine.server_probe import ServerInfo
 from ..engine.structured import provider_kind
 from ..engine.valkey import EmbeddedValkey
-from .llm_engine import open_engine
+from .llm_engine import engine_settings, open_engine
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class LLMResource(dg.ConfigurableResource):
     request_timeout_s: float | None = Field(
         default=None,
         gt=0,
+        allow_inf_nan=False,
         description="Timeout of one HTTP attempt. None: the provider profile's (60 s hosted, "
         "up to 600 s for a local server); 900 s for requests with service_tier 'flex' in "
         "params (OpenAI: flex answers more slowly).",
@@ -106,6 +107,8 @@ class LLMResource(dg.ConfigurableResource):
     )
     deadline_s: float | None = Field(
         default=None,
+        gt=0,
+        allow_inf_nan=False,
         description="Per-request deadline from its start; past it a request fails with "
         "deadline_exceeded and is not sent again. None: bounded by max_attempts only.",
     )
@@ -159,24 +162,35 @@ class LLMResource(dg.ConfigurableResource):
     )
     job_key: str = Field(
         default="default",
-        description="Name of this job for fair sharing; processes with the same key share one "
-        "share.",
+        min_length=1,
+        max_length=C.MAX_JOB_KEY_CHARS,
+        pattern=r"^[^\x00-\x1f\x7f-\x9f]+$",  # it names the limiter's and budget's Redis keys
+        description=f"Name of this job for fair sharing (1-{C.MAX_JOB_KEY_CHARS} printable "
+        "characters); processes with the same key share one share.",
     )
-    job_weight: float = Field(default=1.0, gt=0, description="Weight of this job's fair share.")
+    job_weight: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="Weight of this job's fair share."
+    )
     transport: Literal["aiohttp", "openai"] = Field(
         default="aiohttp",
         description="HTTP path: 'aiohttp' (lean, fastest) or 'openai' (the openai SDK).",
     )
     price_input_per_1m: float | None = Field(
         default=None,
+        ge=0,
+        allow_inf_nan=False,
         description="USD per 1M input tokens for this model; None: genai-prices' (a local server: not priced).",
     )
     price_output_per_1m: float | None = Field(
         default=None,
+        ge=0,
+        allow_inf_nan=False,
         description="USD per 1M output tokens for this model; None: genai-prices' (a local server: not priced).",
     )
     price_cached_input_per_1m: float | None = Field(
         default=None,
+        ge=0,
+        allow_inf_nan=False,
         description="USD per 1M cached input tokens; None: the price library's, else the "
         "input price.",
     )
@@ -340,24 +354,8 @@ class LLMResource(dg.ConfigurableResource):
     def engine_settings(
         self, *, model: str | None = None, params: dict[str, Any] | None = None
     ) -> EngineSettings:
-        model = model or self.model
-        params = {**self.params, **(params or {})}
-        return EngineSettings(
-            model=model,
-            params=params,
-            max_concurrency=self.concurrency,
-            request_timeout_s=self.timeout_for(params),
-            max_attempts=self.max_attempts,
-            deadline_s=self.deadline_s,
-            default_max_tokens=self.default_max_tokens,
-            context_window=self.context_window or C.context_window_for(model),
-            refund_unused_completion=self.refund_unused_completion,
-            fatal_error_threshold=self.fatal_error_threshold,
-            secret=self.api_key,
-            estimate_margin=self.estimate_margin,
-            breaker_threshold=self.breaker_threshold,
-            flex_fallback=self.flex_fallback,
-        )
+        """The engine's settings: the resource's, `model` and `params` over them."""
+        return engine_settings(self, model=model, params=params)
 
     def timeout_for(self, params: dict[str, Any]) -> float:
         """request_timeout_s, else OpenAI's advice for flex requests (engine/flex.py), else the

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..engine import _constants as C
 from ..engine.budget import Cost, DailyLedger, SpendCap
 from ..engine.engine import Engine, EngineSettings
 from ..engine.errors import BatchLLMError
@@ -18,6 +19,30 @@ from ..engine.transport import TRANSPORTS
 
 if TYPE_CHECKING:
     from .llm import LLMResource
+
+
+def engine_settings(
+    llm: LLMResource, *, model: str | None = None, params: dict[str, Any] | None = None
+) -> EngineSettings:
+    """The resource's engine settings, `model` and `params` over its own."""
+    model = model or llm.model
+    params = {**llm.params, **(params or {})}
+    return EngineSettings(
+        model=model,
+        params=params,
+        max_concurrency=llm.concurrency,
+        request_timeout_s=llm.timeout_for(params),
+        max_attempts=llm.max_attempts,
+        deadline_s=llm.deadline_s,
+        default_max_tokens=llm.default_max_tokens,
+        context_window=llm.context_window or C.context_window_for(model),
+        refund_unused_completion=llm.refund_unused_completion,
+        fatal_error_threshold=llm.fatal_error_threshold,
+        secret=llm.api_key,
+        estimate_margin=llm.estimate_margin,
+        breaker_threshold=llm.breaker_threshold,
+        flex_fallback=llm.flex_fallback,
+    )
 
 
 async def know_server(llm: LLMResource, settings: EngineSettings) -> None:
