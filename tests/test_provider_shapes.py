@@ -9,10 +9,11 @@ import contextlib
 import time
 
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
 
 from batch_llm_assets import ChatRequest, LLMResource
-from batch_llm_assets.engine import LimiterSettings, RedisLimiter
+from batch_llm_assets.engine import LimiterSettings, RedisLimiter, limiter_namespace
 from batch_llm_assets.engine.controller import Controller
 from batch_llm_assets.engine.usage import ProviderLimits
 
@@ -210,6 +211,25 @@ def test_a_per_minute_limit_enforced_per_second_is_used_without_a_storm(fresh_si
     ideal = stats["admitted_tokens"] / (96_000 / 60)  # about 12 s at the configured rate
     assert took < 1.2 * ideal + 1.0, (took, ideal)
     assert stats.get("rate_limited", 0) <= 2  # 1 %
+
+
+@pytest.mark.parametrize("headers", [True, False], ids=["headers", "no-headers"])
+def test_a_job_start_does_not_burst_a_quota_enforced_per_second(fresh_sim, valkey_url, headers):
+    # OpenAI and Azure both document per-minute limits enforced over 1 s periods (600 RPM: 10
+    # a second; engine/_constants.py, DEFAULT_BURST_S). Configured at 0.9 of it, the engine
+    # paces 9 a second: a burst of 0.5 s on top of that pace sends 13.5 in the first second.
+    fresh_sim.configure(
+        rpm=600, enforcement="quantized", quantum_s=1.0, rate_headers=headers, limit_header="none"
+    )
+    results, took, _, _ = _run(fresh_sim, valkey_url, 45, job="per-second", rpm=540)
+    assert all(x.ok for x in results)
+    assert fresh_sim.stats().get("rate_limited", 0) == 0
+    # With no burst, every wake is a little late and every answer's burst (0) as wide as the
+    # one in use: neither takes a fresh slot nor restarts the schedule, or each request would
+    # spend several slots (a job of 5 s at the pace would take 15).
+    assert took < 1.5 * 45 / 9 + 1.0, took
+    ns = limiter_namespace(fresh_sim.url, "sim-1", SIM_KEY)
+    assert float(sync_redis.Redis.from_url(valkey_url).hget(f"{ns}:state", "ep") or 0) <= 1
 
 
 def test_a_gateways_window_capacity_in_its_limit_header_does_not_slow_the_job(

@@ -66,8 +66,13 @@ WARN_EVERY_S = 10.0
 MAX_JOB_KEY_CHARS = 200
 
 # -- The rate controller (docs/engine.md states it; limiter.lua receives these as arguments) --
-# Burst after idle time, in seconds of the rate (never a full minute).
-DEFAULT_BURST_S = 0.5
+# Burst after idle time, in seconds of the rate: none until the provider's headers show a bucket.
+# OpenAI: "Rate limits can be quantized, meaning they are enforced over shorter periods of time
+# (e.g. 60,000 requests/minute may be enforced as 1,000 requests/second). Sending short bursts
+# ... can lead to rate limit errors" (help.openai.com, article 6891753); Azure OpenAI: a 600-RPM
+# deployment is limited "if more than 10 requests are received during each 1-second period".
+# A pace at the rate with a burst of b admits (1 + b) x a second's share in a second.
+DEFAULT_BURST_S = 0.0
 # A burst up to this keeps any 60 s window within 1 + 1/60 of the configured per-minute limit
 # whatever happens; a wider one (learned from the provider's bucket) is granted only while the
 # minute's ledger has room under the configured limit.
@@ -83,10 +88,13 @@ ADAPT_DECREASE = 0.7
 ADAPT_RECOVERY_PER_S = 0.05
 ADAPT_PROBE_SLOWDOWN = 5.0
 ADAPT_MIN_FACTOR = 0.1
-# The script's three remaining numbers. A settle whose burst (the bucket the provider's headers
-# show) is this many times the one in use, or wider by a whole base burst, restarts the schedule
-# so the new headroom is used at once.
+# The script's remaining numbers. A settle whose burst (the bucket the provider's headers show)
+# is BURST_WIDER_RATIO times the one in use and wider by BURST_WIDER_STEP_S (or by the configured
+# burst, if more) restarts the schedule so the new headroom is used at once. A restart cannot see
+# the grants in flight, so a small bucket whose headers swing by tens of ms must not make one
+# each answer.
 BURST_WIDER_RATIO = 1.5
+BURST_WIDER_STEP_S = 0.5
 # Under no saturation, a job's own schedule runs at most this far ahead of now: slack it used in
 # a lull is forgiven, so a job back from idle is not held to its old share.
 LULL_FORGIVE_MS = 1000

@@ -126,7 +126,7 @@ if op == 'settle' then
   charge(num('slot'), gep, num('requests'), num('tokens'), true)
   if a.cap_ms and gep == ep then
     local cap = math.max(base, math.min(num('cap_ms'), num('max_burst_ms')))
-    wider, b = cap >= math.max(num('wider') * b, b + base), cap
+    wider, b = cap >= math.max(num('wider') * b, b + num('step_ms')), cap
   end
   if a.rem_r or a.rem_t or restart then hold(now, wider or restart) end
   -- A window: what it has left holds every process's grants until its reset (acquire).

@@ -66,13 +66,18 @@ class Pacer:
             due = time.monotonic() + grant.wait_s
             wakeable = fresh < C.MAX_FRESH_SLOTS  # out of fresh slots: it sleeps to its slot
             how = await self._sleep(grant.wait_s, wakeable) if grant.wait_s > 0 else _DUE
-            late = time.monotonic() - due > max(grant.burst_s, self.limiter.settings.burst_s)
+            late = time.monotonic() - due > self._tolerance(grant)
             stale = how == _STALE or grant.epoch < self._epoch
             if not ((late or stale) and wakeable):
                 break
             fresh += 1
             grant = await self._acquire(reserve, deadline, grant)
         return grant
+
+    def _tolerance(self, grant: Grant) -> float:
+        """How late a wake may be and still send on its slot: its burst, and at least a send's
+        jitter (with no burst, every wake is a few microseconds late)."""
+        return max(grant.burst_s, self.limiter.settings.burst_s, C.LEARNED_BURST_MARGIN_S)
 
     async def _acquire(self, reserve: int, deadline: float | None, old: Grant | None) -> Grant:
         grant = await self.limiter.acquire(reserve, deadline=deadline, give_back=old)
@@ -96,9 +101,11 @@ class Pacer:
 
     def _after_reply(self) -> None:
         """Wake the sleepers when their slots went stale: a newer overload epoch, or a burst
-        that widened by half (or by a configured burst) since the last wake."""
+        that widened (as limiter.lua tells a wider one) since the last wake."""
         lim = self.limiter
-        widened = lim.burst_s >= max(1.5 * self._burst_s, self._burst_s + lim.settings.burst_s)
+        widened = lim.burst_s >= max(
+            C.BURST_WIDER_RATIO * self._burst_s, self._burst_s + lim.wider_step_s
+        )
         if lim.epoch > self._epoch or widened:
             self._epoch = max(self._epoch, lim.epoch)
             self._burst_s = lim.burst_s

@@ -120,7 +120,7 @@ class LLMResource(dg.ConfigurableResource):
     )
     burst_s: float = Field(
         default=C.DEFAULT_BURST_S,
-        gt=0,
+        ge=0,
         le=10,
         description="Burst allowance in seconds of the limit (keep it below the provider's own).",
     )
