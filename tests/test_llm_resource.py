@@ -197,9 +197,13 @@ def test_deadline_passed_while_waiting_for_the_limiter_is_not_sent(fresh_sim, va
 
 def test_429s_that_get_through_are_retried_and_slow_the_bucket(fresh_sim, valkey_url):
     # The key's real limit (the simulator's) is half what the resource was told. No
-    # remaining/reset headers: the provider gate would hold the sends that get 429s here.
+    # remaining/reset headers: the provider gate would hold the sends that get 429s here. A
+    # configured burst of half a second, so the first one overruns the bucket (with the default
+    # of none, the stated limit comes back before a 429 can).
     fresh_sim.configure(rpm=600, bucket_s=0.5, rate_headers=False)
-    llm = make(fresh_sim, rpm=1200, redis_url=valkey_url, job_key="429-test", max_attempts=20)
+    llm = make(
+        fresh_sim, rpm=1200, burst_s=0.5, redis_url=valkey_url, job_key="429-test", max_attempts=20
+    )
     _forget_limiter_state(llm)  # earlier tests on this key leave a learned rate and burst
     results = run(llm, [ChatRequest(i, user(f"q{i}")) for i in range(60)])
     assert all(r.ok for r in results.values())

@@ -55,6 +55,23 @@ def test_a_window_is_told_from_a_bucket_by_its_headers():
     assert burst._dims[0].bucket and not burst._dims[0].window
 
 
+def test_a_short_window_seen_late_in_its_period_is_no_bucket_at_sight():
+    # A 1 s window of 10 requests (600/min), configured at 480/min: the job's first request
+    # lands 0.7 s into a period, its answer shows 9 left and a reset of 0.3 s, as a full bucket
+    # would. A bucket drawn by one request is full again within one request's refill (0.125 s
+    # at the rate); a window's reset is its end, however little was drawn. Taken for a bucket,
+    # the window got a burst of most of a second on top of its pace.
+    late = _controller(rpm=480)
+    mark = late.on_send(0, 0)
+    late.observe(ProviderLimits(remaining_requests=9, reset_requests_s=0.3), mark)
+    assert not late._dims[0].bucket
+    # A minute-long bucket's first answer: much left, full again within that request's refill.
+    bucket = _controller(rpm=480)
+    mark = bucket.on_send(0, 0)
+    bucket.observe(ProviderLimits(remaining_requests=479, reset_requests_s=0.12), mark)
+    assert bucket._dims[0].bucket
+
+
 def test_a_busy_hosts_late_send_times_do_not_change_what_the_engine_believes():
     # Send times late by up to 150 ms (a loaded event loop) against a bucket's headers: the
     # kind is read from the provider's numbers alone.
@@ -71,8 +88,9 @@ def test_a_busy_hosts_late_send_times_do_not_change_what_the_engine_believes():
 
 def test_no_wider_burst_while_a_reporting_dimension_is_not_known_a_bucket():
     # Azure's 1 s period on both dimensions, requests far from binding: near the window's end
-    # the requests dimension reads as a full bucket (much left, a short reset), the tokens one
-    # is not known yet. A burst sized on the requests alone overran the tokens' window.
+    # much is left of both, with a short reset. A burst sized on them overran the window.
+    # Neither is full again within the refill of the one request drawn (0.6 ms of requests,
+    # 0.09 s of tokens): no bucket, no wider burst.
     ctl = _controller(rpm=100_000, tpm=96_000)
     limits = ProviderLimits(
         remaining_requests=1660,
@@ -80,18 +98,19 @@ def test_no_wider_burst_while_a_reporting_dimension_is_not_known_a_bucket():
         remaining_tokens=733,
         reset_tokens_s=0.4,
     )
-    view = ctl.observe(limits, (time.monotonic(), *ctl._sent))
-    assert ctl._dims[0].bucket and not ctl._dims[1].bucket
+    view = ctl.observe(limits, ctl.on_send(100, 50))
+    assert not ctl._dims[0].bucket and not ctl._dims[1].bucket
     assert "cap_ms" not in view, view
-    # Once both are buckets, the burst may grow to the smaller of the two.
+    # Buckets at sight (full again within that refill), the burst may grow to the smaller.
+    both = _controller(rpm=100_000, tpm=96_000)
     tokens_bucket = ProviderLimits(
         remaining_requests=1660,
-        reset_requests_s=0.01,
+        reset_requests_s=0.0,
         remaining_tokens=90_000,
-        reset_tokens_s=0.1,
+        reset_tokens_s=0.05,
     )
-    view = ctl.observe(tokens_bucket, (time.monotonic(), *ctl._sent))
-    assert ctl._dims[1].bucket and view["cap_ms"] > 0, view
+    view = both.observe(tokens_bucket, both.on_send(100, 50))
+    assert both._dims[0].bucket and both._dims[1].bucket and view["cap_ms"] > 0, view
 
 
 def test_a_windows_reset_is_counted_from_the_answers_arrival():

@@ -40,18 +40,22 @@ class _Dim:
     reset_max: float = 0.0  # the longest reset seen: a window is at least that long
     capacity: bool = False  # a window whose x-ratelimit-limit is its quota: for the engine's life
 
-    def vote(self, remaining: float, reset_s: float, per_s: float) -> None:
+    def vote(self, remaining: float, reset_s: float, per_s: float, drawn: float) -> None:
         """A bucket's reset is when it is full again: drawn down by X, it grows by the time the
         rate takes to refill X. A fixed window's counts down to its end, as fast as time, and
         paced sends draw it about as fast. A sliding window's (its length after the last send)
         does neither: it is paced as a bucket, with no burst learned. Read from the provider's
         own numbers, over a draw of at least WINDOW_EVIDENCE_S of the rate: no timing of ours,
-        so a busy host cannot fake either."""
-        if reset_s <= remaining / per_s / 2:
-            # Seen at once: a bucket that holds that much is full again that soon (a sliding
-            # window's reset is its whole length, a fixed window's its end)
-            self.bucket = True
+        so a busy host cannot fake either. `drawn`: what this engine had sent by the answered
+        request (all that was drawn, if it is alone on the key)."""
         a = self.anchor
+        sight = drawn / per_s + C.WINDOW_RESET_MARGIN_S
+        if a is None and reset_s <= min(remaining / per_s / 2, sight):
+            # Seen at once (the engine's first answer): a bucket that holds that much is full
+            # again that soon, and no later than it takes to refill what this engine drew. A
+            # fixed window's reset is its end however little was drawn (seen late in its
+            # period it too has much left and a short reset); a sliding window's, its length.
+            self.bucket = True
         if a is None or remaining > a[0]:
             self.anchor = (remaining, reset_s)
             return
@@ -93,6 +97,10 @@ class Controller:
             return r - mark[1]
         return self.calibration * (p - mark[2]) + (m - mark[3])
 
+    def _drawn(self, mark: Mark, i: int) -> float:
+        """Requests (i = 0) or tokens (1) this engine had sent by `mark`, as the provider counts."""
+        return self._since((0.0, 0.0, 0.0, 0.0), i) - self._since(mark, i)
+
     def reservation(self, estimate: int, max_tokens: int) -> int:
         """The prompt estimate scaled to the provider's own count, plus the answer budget."""
         if self.calibration == 1.0:
@@ -129,7 +137,7 @@ class Controller:
                 # At the configured rate: the believed one may have been lowered by a header
                 # that states a window's quota, and at half its rate a 30 s window of 300
                 # requests, seen at its start, reads as a bucket at sight.
-                d.vote(remaining, reset_s, (configured or rate) / 60)
+                d.vote(remaining, reset_s, (configured or rate) / 60, self._drawn(mark, i))
                 d.reset_max = max(d.reset_max, reset_s)
             # What went after this request is not in its remaining yet.
             out[f"rem_{name}"] = remaining - self._since(mark, i)
