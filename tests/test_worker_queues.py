@@ -104,6 +104,10 @@ _HOSTILE = [
     ([_q(worker_pool_id="p")], "worker_pool_id is not supported"),
     ([_q(request_path_url="/v1/completions")], "request_path_url '/v1/completions'"),
     ([_q(job_key="")], "job_key must be a non-empty string"),
+    # The rule LLMResource holds a job_key to (it names the limiter's Redis keys).
+    ([_q(job_key="a\nb")], "job_key must be 1-200 printable characters"),
+    ([_q(job_key="a\x85b")], "job_key must be 1-200 printable characters"),
+    ([_q(job_key="j" * 201)], "job_key must be 1-200 printable characters"),
     ([_q(dead_letter=["x"])], "dead_letter must be a non-empty string"),
     (["a"], "request queues[0]: expected an object"),
     ({"queues": []}, "expected a list of queue entries"),
@@ -124,6 +128,9 @@ def test_a_hostile_request_queues_config_is_refused_naming_the_problem(config, p
     ("argv", "problem"),
     [
         (["--request-merge-policy", "round-robin"], "merge policy must be one of"),
+        (["--job-key", "team\nb"], r"job key \(--job-key\) must be 1-200 printable"),
+        (["--job-key", "j" * 201], r"job key \(--job-key\) must be 1-200 printable"),
+        (["--job-key", ""], r"job key \(--job-key\) must be a non-empty string"),
         (["--redis.request-queues", "[{queue_name: a"], "neither JSON nor YAML"),
         (["--redis.request-queues", "[" * 100_000], "request queues"),
         (

@@ -62,8 +62,11 @@ FALLBACK_ESTIMATE_MARGIN = 0.25
 # One log line per kind of limiter warning per this many seconds.
 WARN_EVERY_S = 10.0
 
-# A job_key names Redis keys (the limiter's leases and shares, the daily budget): this long at most.
+# A job_key names Redis keys (the limiter's leases and shares, the daily budget): this long at
+# most, and printable (no C0/C1 control character: a line break would split a lease member or a
+# log line). LLMResource and the worker (its --job-key and each queue's job_key) hold it to both.
 MAX_JOB_KEY_CHARS = 200
+JOB_KEY_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]+$"
 
 # -- The rate controller (docs/engine.md states it; limiter.lua receives these as arguments) --
 # Burst after idle time, in seconds of the rate: none until the provider's headers show a bucket.

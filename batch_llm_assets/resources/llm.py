@@ -164,7 +164,7 @@ class LLMResource(dg.ConfigurableResource):
         default="default",
         min_length=1,
         max_length=C.MAX_JOB_KEY_CHARS,
-        pattern=r"^[^\x00-\x1f\x7f-\x9f]+$",  # it names the limiter's and budget's Redis keys
+        pattern=C.JOB_KEY_PATTERN,  # it names the limiter's and budget's Redis keys
         description=f"Name of this job for fair sharing (1-{C.MAX_JOB_KEY_CHARS} printable "
         "characters); processes with the same key share one share.",
     )

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
+from ..engine import _constants as C
 from . import _constants as K
 from .queue import QueueNames
 
@@ -82,8 +84,10 @@ class RequestQueue:
 
     def validate(self) -> None:
         where = f"request queue {self.name!r}"
-        for field in ("name", "id", "job_key", "dead_letter"):
+        for field in ("name", "id", "dead_letter"):
             _check_key_text(getattr(self, field), f"{where}: {field}", optional=field != "name")
+        if self.job_key is not None:
+            check_job_key(self.job_key, f"{where}: job_key")
         if self.kind not in KINDS:
             raise QueueConfigError(f"{where}: type must be one of {KINDS}, got {self.kind!r}")
         if self.base_url is not None:
@@ -111,6 +115,17 @@ def _check_key_text(value: Any, what: str, *, optional: bool) -> None:
         raise QueueConfigError(f"{what} is not valid text (a lone surrogate)") from None
     if len(value) > K.MAX_CONFIG_TEXT:
         raise QueueConfigError(f"{what} is longer than {K.MAX_CONFIG_TEXT} characters")
+
+
+def check_job_key(value: Any, what: str) -> None:
+    """The engine's one rule for a job_key (it names the limiter's Redis keys), as LLMResource
+    holds it: 1 to MAX_JOB_KEY_CHARS characters, none of them a control character."""
+    _check_key_text(value, what, optional=False)
+    if len(value) > C.MAX_JOB_KEY_CHARS or not re.fullmatch(C.JOB_KEY_PATTERN, value):
+        raise QueueConfigError(
+            f"{what} must be 1-{C.MAX_JOB_KEY_CHARS} printable characters (no control "
+            f"character), got {value[:60]!r}{'...' if len(value) > 60 else ''}"
+        )
 
 
 def _check_header_value(value: Any, what: str) -> None:

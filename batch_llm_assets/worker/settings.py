@@ -19,7 +19,13 @@ from ..engine.transport import TRANSPORTS
 from . import _constants as K
 from .metrics import MeteredLimiter, QueueMetrics, WorkerMetrics
 from .queue import QueueNames, RedisQueue
-from .request_queues import MERGE_POLICIES, RequestQueue, check_base_url, validate_queues
+from .request_queues import (
+    MERGE_POLICIES,
+    RequestQueue,
+    check_base_url,
+    check_job_key,
+    validate_queues,
+)
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"  # llm-d's, read by the inference gateway
 
@@ -90,6 +96,7 @@ class WorkerSettings:
             raise ValueError(
                 f"request merge policy must be one of {MERGE_POLICIES}, got {self.merge_policy!r}"
             )
+        check_job_key(self.job_key, "job key (--job-key)")
         if self.request_queues:
             validate_queues(self.request_queues, self.queues)
         else:
