@@ -216,8 +216,11 @@ def test_tokens_per_minute_go_through_the_shared_limiter_pack_by_pack(
     finally:
         r.close()
     amounts = [int(m.decode().split(":")[1]) for m in ledger]
-    assert len(amounts) == stats["embedding_requests"]
-    assert sum(amounts) == stats["admitted_tokens"] and min(amounts) > 40  # whole packs
+    # A request that woke late on a busy host gave its slot back (a negative entry) for a fresh
+    # one: net, one grant per request.
+    taken, given_back = [a for a in amounts if a > 0], [a for a in amounts if a < 0]
+    assert len(taken) - len(given_back) == stats["embedding_requests"]
+    assert sum(amounts) == stats["admitted_tokens"] and min(taken) > 40  # whole packs
 
 
 def test_a_partition_embeds_into_a_bigquery_array_column_and_a_rerun_sends_nothing(
