@@ -31,9 +31,8 @@ MAX_ROWS_IN_FLIGHT = 8192
 # per-minute limit over short periods (Azure OpenAI "evaluates the rate of incoming requests
 # over a small period of time, typically 1 or 10 seconds", learn.microsoft.com/azure/ai-services/
 # openai/how-to/quota), and a request larger than such a period's share waits for an empty one
-# (or gets a 429), however empty the minute. Half a second is also the limiter's default burst
-# (engine/_constants.py DEFAULT_BURST_S): a pack then never needs more than a burst. Packs of
-# 10-token rows still carry 50 rows from a tpm of 60,000 up.
+# (or gets a 429), however empty the minute. Packs of 10-token rows still carry 50 rows from a
+# tpm of 60,000 up.
 PACK_RATE_S = 0.5
 # A pack waits at most this long for its next row: followers of its rows wait for their
 # answers (assets/sharing.py pauses the reader at MAX_WAITING of them), so a pack that kept

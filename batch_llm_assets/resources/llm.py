@@ -122,7 +122,9 @@ class LLMResource(dg.ConfigurableResource):
         default=C.DEFAULT_BURST_S,
         ge=0,
         le=10,
-        description="Burst allowance in seconds of the limit (keep it below the provider's own).",
+        description="Burst allowance in seconds of the limit before the provider's headers show "
+        "its bucket (keep it below the provider's own). 0: paced from the first request, as "
+        "providers that enforce a per-minute limit per second need.",
     )
     refund_unused_completion: bool = Field(
         default=False,

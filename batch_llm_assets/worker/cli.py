@@ -222,7 +222,7 @@ _OPTIONS = [
     ),
     ("--rpm", "rpm", None, _optional_int, None, "Requests/min of the key for this model."),
     ("--tpm", "tpm", None, _optional_int, None, "Tokens/min of the key for this model."),
-    ("--burst", "burst_s", None, duration, "0.5s", "Burst allowance in seconds of the limit."),
+    ("--burst", "burst_s", None, duration, "0s", "Burst allowance in seconds of the limit."),
     ("--job-key", "job_key", None, str, "worker", "Fair-share job name of this worker."),
     ("--job-weight", "job_weight", None, float, 1.0, "Weight of this job's fair share."),
     (
