@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
+import redis.asyncio as aioredis
 
 from batch_llm_assets import ChatRequest, LLMResource
+from batch_llm_assets.engine import LimiterSettings, RedisLimiter
+from batch_llm_assets.engine.pacing import Pacer
 
 from .conftest import SIM_KEY
 
@@ -99,3 +103,45 @@ def test_after_a_429_sleepers_take_fresh_slots_paced_from_the_pause(fresh_sim, v
 
 async def _collect(results):
     return [r async for r in results]
+
+
+def test_a_429_heard_by_a_request_in_line_wakes_the_sleepers(valkey_url):
+    # Another process's 429 pauses the key for 1.5 s. This engine hears of it first in the
+    # reply to its request waiting in line (a slot beyond the reach is not granted). Requests
+    # sleeping on slots granted before the 429 must take fresh ones from then on, not go out on
+    # the old schedule during the pause (the reply of a request in line wakes them too).
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        ns = f"test:line-wake:{uuid.uuid4().hex}"
+        settings = LimiterSettings(rpm=600, reach_s=1.0)  # a slot each 0.1 s, no burst
+        lim = RedisLimiter(client, namespace=ns, settings=settings, job="a")
+        other = RedisLimiter(client, namespace=ns, settings=settings, job="b")
+        pacer = Pacer(lim)
+        heard: list[float] = []  # when this engine first heard of the 429's epoch
+        call = lim._call
+
+        async def spied_call(*args, **kw):
+            grant = await call(*args, **kw)
+            if lim.epoch >= 1 and not heard:
+                heard.append(time.monotonic())
+            return grant
+
+        lim._call = spied_call
+        sends: list[tuple[float, int]] = []
+
+        async def one():
+            grant = await pacer.slot(1, None)
+            sends.append((time.monotonic(), grant.epoch))
+
+        tasks = [asyncio.create_task(one()) for _ in range(20)]
+        while len(sends) < 2:  # slots granted up to a second ahead, some in line
+            await asyncio.sleep(0.01)
+        await other.penalize(await other.acquire(1), retry_after_s=1.5)
+        await asyncio.gather(*tasks)
+        await client.aclose()
+        return heard, sends
+
+    heard, sends = asyncio.run(main())
+    assert heard, "the engine never heard of the other process's 429"
+    stale = [(t - heard[0], epoch) for t, epoch in sends if t > heard[0] and epoch < 1]
+    assert not stale, stale

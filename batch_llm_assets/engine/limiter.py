@@ -9,6 +9,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
 
@@ -113,6 +114,9 @@ class RedisLimiter:
         self.factor = 1.0
         self.epoch = 0
         self.burst_s = settings.burst_s
+        # Told of every reply (the pacer wakes its sleepers when their slots went stale): a
+        # reply to a request still in line, or to a give-back, carries a new epoch too.
+        self.on_reply: Callable[[], None] | None = None
         self.warn = _Warnings()
         self._where = where
         self._horizon = 0.0  # the latest send time granted here (monotonic): see limiter.lua
@@ -184,6 +188,8 @@ class RedisLimiter:
         )
         granted, wait_ms, slot, factor, share, jobs, epoch, burst = (int(x) for x in res)
         self.factor, self.epoch, self.burst_s = factor / 1e6, epoch, burst / 1000
+        if self.on_reply is not None:
+            self.on_reply()
         got = (wait_ms / 1000, slot, epoch, 0, factor / 1e6, share / 1e6, jobs, burst / 1000)
         return Grant(*got, granted=granted == 1, deferred=granted == 0)
 

@@ -33,6 +33,7 @@ class Pacer:
         self._epoch = 0  # the newest overload epoch this engine has seen
         self._burst_s = limiter.settings.burst_s  # the burst at the latest wake
         self._feedback: set[asyncio.Task[None]] = set()
+        limiter.on_reply = self._after_reply
         self._waiters = 0
         self._wait_since = 0.0
         self._wait_total = 0.0
@@ -80,9 +81,7 @@ class Pacer:
         return max(grant.burst_s, self.limiter.settings.burst_s, C.LEARNED_BURST_MARGIN_S)
 
     async def _acquire(self, reserve: int, deadline: float | None, old: Grant | None) -> Grant:
-        grant = await self.limiter.acquire(reserve, deadline=deadline, give_back=old)
-        self._after_reply()
-        return grant
+        return await self.limiter.acquire(reserve, deadline=deadline, give_back=old)
 
     async def _sleep(self, wait_s: float, wakeable: bool) -> int:
         """Sleep until the slot; _STALE if woken before it to take a fresh one."""
@@ -100,8 +99,10 @@ class Pacer:
             self._sleepers.discard(woken)
 
     def _after_reply(self) -> None:
-        """Wake the sleepers when their slots went stale: a newer overload epoch, or a burst
-        that widened (as limiter.lua tells a wider one) since the last wake."""
+        """On every reply of the limiter: wake the sleepers when their slots went stale (a newer
+        overload epoch, or a burst that widened, as limiter.lua tells a wider one, since the
+        last wake). Every reply, not only a grant's: a request waiting in line hears of another
+        process's 429 first, and the sleepers must not send on the old schedule meanwhile."""
         lim = self.limiter
         widened = lim.burst_s >= max(
             C.BURST_WIDER_RATIO * self._burst_s, self._burst_s + lim.wider_step_s
@@ -151,8 +152,6 @@ class Pacer:
             await self.limiter.settle(grant, tokens=delta, view=view)
         except E.LimiterError as exc:
             self.limiter.warn("settle", "Could not report an answer to the limiter: %s", exc)
-        else:
-            self._after_reply()
 
     async def rejected(self, grant: Grant, exc: E.ProviderError) -> None:
         """A 429 about the rate (not quota, not size): slow everyone down, pause everyone for
@@ -161,8 +160,7 @@ class Pacer:
         try:
             await self.limiter.penalize(grant, retry_after_s=hint)
         except E.LimiterError:
-            return  # the retry's acquire reports it
-        self._after_reply()
+            pass  # the retry's acquire reports it
 
     async def give_back(self, grant: Grant) -> None:
         await self.limiter.give_back(grant)
