@@ -4,10 +4,12 @@ slots given back, taken again when late or stale, never sent after their deadlin
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from batch_llm_assets import ChatRequest, LLMResource
@@ -138,6 +140,8 @@ def test_a_429_heard_by_a_request_in_line_wakes_the_sleepers(valkey_url):
             await asyncio.sleep(0.01)
         await other.penalize(await other.acquire(1), retry_after_s=1.5)
         await asyncio.gather(*tasks)
+        await lim.release()
+        await other.release()
         await client.aclose()
         return heard, sends
 
@@ -145,3 +149,71 @@ def test_a_429_heard_by_a_request_in_line_wakes_the_sleepers(valkey_url):
     assert heard, "the engine never heard of the other process's 429"
     stale = [(t - heard[0], epoch) for t, epoch in sends if t > heard[0] and epoch < 1]
     assert not stale, stale
+
+
+def test_another_process_s_429_reaches_the_sleepers_at_once(valkey_url):
+    # Eight requests, each granted a slot at once (0.1 s apart, all within the reach), so this
+    # engine has nothing more to ask Redis. Another process (its own client) gets a 429 and
+    # pauses the key for 1.5 s. limiter.lua publishes the new epoch; the sleepers hear it and
+    # take fresh slots after the pause. Without it they would all go out during the pause.
+    async def main():
+        client, other_client = (aioredis.Redis.from_url(valkey_url) for _ in range(2))
+        ns = f"test:pubsub-wake:{uuid.uuid4().hex}"
+        settings = LimiterSettings(rpm=600, reach_s=1.0)
+        lim = RedisLimiter(client, namespace=ns, settings=settings, job="a")
+        other = RedisLimiter(other_client, namespace=ns, settings=settings, job="b")
+        pacer = Pacer(lim)
+        sends: list[tuple[float, int]] = []
+
+        async def one():
+            grant = await pacer.slot(1, None)
+            sends.append((time.monotonic(), grant.epoch))
+
+        tasks = [asyncio.create_task(one()) for _ in range(8)]
+        while len(sends) < 2:
+            await asyncio.sleep(0.01)
+        await other.penalize(await other.acquire(1), retry_after_s=1.5)
+        penalized = time.monotonic()
+        await asyncio.gather(*tasks)
+        async with asyncio.timeout(5):  # the listener stops with the engine
+            await lim.release()
+            await other.release()
+        for c in (client, other_client):
+            await c.aclose()
+        return penalized, sends
+
+    penalized, sends = asyncio.run(main())
+    assert len(sends) == 8
+    stale = [round(t - penalized, 3) for t, epoch in sends if t > penalized and epoch < 1]
+    # At most one: a slot due in the instant between the script and the message.
+    assert len(stale) <= 1, stale
+
+
+def test_a_redis_user_without_channel_rights_still_gets_its_grants(valkey_url, caplog):
+    # Redis 7's ACL users have no pub/sub channels unless granted. The limiter's script tells a
+    # new epoch to the other engines on the key over a channel; for such a user it must still
+    # grant, penalize and restart (pcall), and the listener only warns.
+    admin = redis.Redis.from_url(valkey_url)
+    admin.execute_command(
+        "ACL", "SETUSER", "nochannels", "on", ">pw", "~*", "+@all", "resetchannels"
+    )
+    admin.close()
+    url = valkey_url.replace("redis://", "redis://nochannels:pw@", 1)
+
+    async def main():
+        client = aioredis.Redis.from_url(url)
+        lim = RedisLimiter(
+            client, namespace=f"test:acl:{uuid.uuid4().hex}", settings=LimiterSettings(rpm=600)
+        )
+        first = await lim.acquire(1)
+        await lim.penalize(first, retry_after_s=0.2)
+        after = await lim.acquire(1)
+        async with asyncio.timeout(5):
+            await lim.release()
+        await client.aclose()
+        return first, after
+
+    with caplog.at_level(logging.WARNING):
+        first, after = asyncio.run(main())
+    assert first.granted and after.granted and after.epoch == first.epoch + 1
+    assert after.wait_s >= 0.1  # the pause held

@@ -145,6 +145,9 @@ CALIBRATION_ANSWERS = 64
 LIMITER_OUTAGE_S = 60.0
 LIMITER_RETRY_DELAY_S = 0.1
 LIMITER_MAX_RETRY_DELAY_S = 5.0
+# How long one wait for another process's restart lasts before it waits again (under the Redis
+# client's socket timeout, REDIS_CONNECT_TIMEOUT_S, which would end the subscription).
+EPOCH_LISTEN_S = 1.0
 
 # Requests rejected with these errors, this many times in a row, abort the batch.
 FATAL_ERROR_THRESHOLD = 3

@@ -74,6 +74,9 @@ local function reply(granted, s, share, jobs)
   local kv = {}
   for i = 1, #F do kv[2 * i - 1], kv[2 * i] = F[i], vals[i] end
   redis.call('HSET', S, unpack(kv))
+  -- A new epoch is told to every engine on the key at once (limiter.py listens); pcall: an
+  -- ACL user without channel rights (Redis 7's default) still gets its grants.
+  if ep > (v[7] or 0) then redis.pcall('PUBLISH', S .. ':epoch', ep) end
   local ttl = math.ceil(math.max(tr, tt, pause, now) - now) + num('ttl_ms')
   for _, i in ipairs({1, 4, 5, 6}) do redis.call('PEXPIRE', KEYS[i], ttl) end
   return {granted, math.ceil(math.max(0, s - now)), math.floor(s), math.floor(factor * 1e6),

@@ -4,9 +4,11 @@ told apart (redis_client.py), an outage waited out for a bounded time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -123,6 +125,7 @@ class RedisLimiter:
         self._line = asyncio.Lock()  # requests not granted at once wait here, one asking
         keys = ("state", "leases", "jobs", f"job:{job}", "ledger:r", "ledger:t")
         self._keys = [f"{namespace}:{k}" for k in keys]
+        self._watcher: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:
         """Load the script once before the first wave of acquires (each would get NOSCRIPT and
@@ -131,6 +134,35 @@ class RedisLimiter:
             await self._redis.script_load(_SCRIPT)
         except (rx.RedisError, OSError):
             pass  # the calls load it themselves and report what fails
+
+    async def _watch(self) -> None:
+        """Hear every restart of the shared schedule as it happens: limiter.lua publishes each
+        new epoch. Another process's 429 then reaches this engine's sleepers at once, not at its
+        next reply, up to a reach later, during which they would go out on the old schedule into
+        the window the 429 said is spent. Best effort: if Redis drops it, it subscribes again,
+        and meanwhile the next reply tells."""
+        delay = C.LIMITER_RETRY_DELAY_S
+        while True:
+            try:
+                async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
+                    await ps.subscribe(f"{self._keys[0]}:epoch")
+                    delay = C.LIMITER_RETRY_DELAY_S
+                    while True:  # a finite wait: the client's socket timeout would end it
+                        message = await ps.get_message(timeout=C.EPOCH_LISTEN_S)
+                        if _cancelled():  # redis-py's read timeout can swallow a cancel
+                            raise asyncio.CancelledError
+                        if message is not None:
+                            self._heard(int(message["data"]))
+            except (rx.RedisError, OSError, ValueError) as exc:
+                self.warn("watch", "Not hearing other processes' 429s at once: %s", exc)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(2 * delay, C.LIMITER_MAX_RETRY_DELAY_S)
+
+    def _heard(self, epoch: int) -> None:
+        if epoch > self.epoch:
+            self.epoch = epoch
+            if self.on_reply is not None:
+                self.on_reply()
 
     @property
     def max_request_tokens(self) -> int | None:
@@ -203,6 +235,8 @@ class RedisLimiter:
         reserved, it asks again with a ticket), or a slot beyond GRANT_REACH_S (nothing
         reserved): such requests of this engine wait in line, the first asking again when its
         wait is over. A wait past the deadline is returned as it is (not granted)."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
         back: list[object] = []
         if give_back is not None and give_back.granted:
             back = ["back_slot", give_back.slot_ms, "back_epoch", give_back.epoch]
@@ -289,11 +323,22 @@ class RedisLimiter:
         )
 
     async def release(self) -> None:
-        """Give up this engine's lease (not its job's other engines'), so its share goes at once."""
+        """Give up this engine's lease (not its job's other engines'), so its share goes at once,
+        and stop listening for other processes' restarts."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
         try:
             await self._call("release", wait=False)
         except LimiterError:
             pass  # the lease lapses by itself
+
+
+def _cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def passes(deadline: float | None, wait_s: float) -> bool:
