@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from redis import exceptions as rx
 
 from . import _constants as C
 from .errors import LimiterError
-from .redis_client import call_script, check_redis, connect_redis
+from .redis_client import backoff, call_script, check_redis, connect_redis
 
 __all__ = ["Grant", "LimiterSettings", "RedisLimiter", "check_redis", "connect_redis"]
 
@@ -155,8 +154,7 @@ class RedisLimiter:
                             self._heard(int(message["data"]))
             except (rx.RedisError, OSError, ValueError) as exc:
                 self.warn("watch", "Not hearing other processes' 429s at once: %s", exc)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(2 * delay, C.LIMITER_MAX_RETRY_DELAY_S)
+                delay = await backoff(delay)
 
     def _heard(self, epoch: int) -> None:
         if epoch > self.epoch:

@@ -184,5 +184,10 @@ async def call_script(
                     )
                 raise err from exc
             warn(type(exc).__name__, "Limiter Redis unavailable (%s); retrying.", exc)
-            await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            delay = min(delay * 2, C.LIMITER_MAX_RETRY_DELAY_S)
+            delay = await backoff(delay)
+
+
+async def backoff(delay: float) -> float:
+    """Sleep a jittered `delay` (half to all of it); the next one, doubled up to the maximum."""
+    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+    return min(delay * 2, C.LIMITER_MAX_RETRY_DELAY_S)
