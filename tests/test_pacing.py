@@ -212,6 +212,7 @@ def test_a_redis_user_without_channel_rights_still_gets_its_grants(valkey_url, c
         await lim.penalize(first, retry_after_s=0.2)
         after = await lim.acquire(1)
         async with asyncio.timeout(5):
+            await asyncio.wait({lim._watcher})  # refused: the listener stops, no retry loop
             await lim.release()
         await client.aclose()
         return first, after
@@ -220,3 +221,5 @@ def test_a_redis_user_without_channel_rights_still_gets_its_grants(valkey_url, c
         first, after = asyncio.run(main())
     assert first.granted and after.granted and after.epoch == first.epoch + 1
     assert after.wait_s >= 0.1  # the pause held
+    refusals = [r for r in caplog.records if "Not hearing" in r.getMessage()]
+    assert len(refusals) == 1 and "for this engine's life" in refusals[0].getMessage()

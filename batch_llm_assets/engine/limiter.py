@@ -19,7 +19,7 @@ from redis import exceptions as rx
 
 from . import _constants as C
 from .errors import LimiterError
-from .redis_client import backoff, call_script, check_redis, connect_redis
+from .redis_client import backoff, call_script, check_redis, connect_redis, error_kind
 
 __all__ = ["Grant", "LimiterSettings", "RedisLimiter", "check_redis", "connect_redis"]
 
@@ -139,7 +139,8 @@ class RedisLimiter:
         new epoch. Another process's 429 then reaches this engine's sleepers at once, not at its
         next reply, up to a reach later, during which they would go out on the old schedule into
         the window the 429 said is spent. Best effort: if Redis drops it, it subscribes again,
-        and meanwhile the next reply tells."""
+        and meanwhile the next reply tells; if Redis refuses it (a user without channel rights),
+        it stops, once: retrying would not change the answer."""
         delay = C.LIMITER_RETRY_DELAY_S
         while True:
             try:
@@ -151,12 +152,24 @@ class RedisLimiter:
                         if _cancelled():  # redis-py's read timeout can swallow a cancel
                             raise asyncio.CancelledError
                         if message is not None:
-                            self._heard(int(message["data"]))
-            except (rx.RedisError, OSError, ValueError) as exc:
-                self.warn("watch", "Not hearing other processes' 429s at once: %s", exc)
+                            self._heard(message.get("data"))
+            except (rx.RedisError, OSError) as exc:
+                outage = error_kind(exc) == "outage"
+                self.warn(
+                    "watch",
+                    "Not hearing other processes' 429s at once%s (each reply still tells): %s",
+                    "" if outage else ", for this engine's life",
+                    exc,
+                )
+                if not outage:
+                    return
                 delay = await backoff(delay)
 
-    def _heard(self, epoch: int) -> None:
+    def _heard(self, data: object) -> None:
+        try:
+            epoch = int(data)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            return  # not the script's: someone else's message on the channel
         if epoch > self.epoch:
             self.epoch = epoch
             if self.on_reply is not None:
