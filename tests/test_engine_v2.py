@@ -300,11 +300,10 @@ def test_a_limit_configured_too_high_without_a_limit_header_is_not_a_429_storm(
     llm = make(fresh_sim, rpm=1440, redis_url=valkey_url, job_key="too-high", max_attempts=20)
     results, _ = run_engine(llm, [ChatRequest(i, user(f"h{i}")) for i in range(240)])
     assert all(r.ok for r in results.values())
-    # An idle host: 2-4 429s. A busy one (four CPU hogs on two cores, or the suite's own load):
-    # up to 18 with remaining/reset, as the answers that say what remains are read late and the
-    # burst learnt at the configured rate is a fifth too wide (known, docs/benchmarks.md). The
-    # bound still catches the storms above.
-    assert fresh_sim.stats().get("rate_limited", 0) <= (24 if rate_headers else 5)
+    # An idle host: 2-4 429s. A busy one (four CPU hogs on two cores, or the suite's own load)
+    # reads answers late: 2-5, and 12-18 in one run of eight while the bucket was sized at the
+    # configured rate (a fifth too wide; docs/benchmarks.md). Either way far from the storms.
+    assert fresh_sim.stats().get("rate_limited", 0) <= (10 if rate_headers else 5)
 
 
 def test_a_whole_second_retry_after_is_no_shared_pause(fresh_sim, valkey_url):
