@@ -39,7 +39,6 @@ class _Dim:
     anchor: tuple[float, float] | None = None  # (remaining, reset) of an earlier answer
     reset_max: float = 0.0  # the longest reset seen: a window is at least that long
     capacity: bool = False  # a window whose x-ratelimit-limit is its quota: for the engine's life
-    most: float = 0.0  # the largest remaining seen: the provider's bucket holds at least that
 
     def vote(self, remaining: float, reset_s: float, per_s: float, drawn: float) -> None:
         """A bucket's reset is when it is full again: drawn down by X, it grows by the time the
@@ -126,20 +125,14 @@ class Controller:
         caps: list[float] = []
         unknown = False  # a dimension that reports but is not known a bucket: no wider burst
         lim = self.limiter
-        dims = zip(
-            ("r", "t"),
-            (lim.rpm, lim.tpm),
-            (lim.settings.rpm, lim.settings.tpm),
-            (limits.remaining_requests, limits.remaining_tokens),
-            (limits.reset_requests_s, limits.reset_tokens_s),
-            (limits.limit_requests, limits.limit_tokens),
-            strict=True,
+        dims = (
+            ("r", lim.rpm, lim.settings.rpm, limits.remaining_requests, limits.reset_requests_s),
+            ("t", lim.tpm, lim.settings.tpm, limits.remaining_tokens, limits.reset_tokens_s),
         )
-        for i, (name, rate, configured, remaining, reset_s, stated) in enumerate(dims):
+        for i, (name, rate, configured, remaining, reset_s) in enumerate(dims):
             if not rate or remaining is None:
                 continue
             d = self._dims[i]
-            d.most = max(d.most, remaining)
             if reset_s is not None:
                 # At the configured rate: the believed one may have been lowered by a header
                 # that states a window's quota, and at half its rate a 30 s window of 300
@@ -157,14 +150,8 @@ class Controller:
                 # answers (not as it admits) ends the window later than the send + reset.
                 out[f"reset_{name}"] = (reset_s + C.WINDOW_RESET_MARGIN_S) * 1000
             elif reset_s is not None and d.bucket:
-                # What remains plus what refills by the reset, at a rate the provider states.
-                # With none stated (or a figure that is no per-minute rate) the rate is the
-                # configured one, maybe above the provider's (a key's share set too high): then
-                # the bucket is no more than the provider has shown it holds.
-                held = remaining + reset_s * rate / 60
-                if stated is None or stated < rate:
-                    held = min(held, d.most)
-                caps.append(held / (rate * lim.factor / 60))
+                per_s = rate * lim.factor / 60
+                caps.append(remaining / per_s + reset_s * rate / 60 / per_s)
             else:
                 unknown = True
         if any(d.window for d in self._dims):
