@@ -72,6 +72,24 @@ def fresh_limiter_state(valkey_url):
 
 
 @pytest.fixture
+def first_grant(monkeypatch):
+    """The first grant of any limiter in the test, once it has one (a list of at most one). A
+    new state's epoch is the server's time in ms (limiter.lua): tests read epochs against it."""
+    from batch_llm_assets.engine import RedisLimiter
+
+    first: list = []
+    acquire = RedisLimiter.acquire
+
+    async def spied(self, *args, **kw):
+        grant = await acquire(self, *args, **kw)
+        first[:] = first or [grant]
+        return grant
+
+    monkeypatch.setattr(RedisLimiter, "acquire", spied)
+    return first
+
+
+@pytest.fixture
 def namespace():
     """A fresh limiter namespace per test, so tests never see each other's state."""
     return f"test:{{{uuid.uuid4().hex[:12]}}}"

@@ -12,7 +12,6 @@ import pydantic
 import pytest
 
 from batch_llm_assets import ChatRequest, DuckDBWarehouse, LLMResource
-from batch_llm_assets.engine import RedisLimiter
 
 from .conftest import SIM_KEY
 from .conftest import duckdb_query as query
@@ -121,7 +120,7 @@ def test_without_fallback_a_lasting_shortage_fails_the_rows_after_their_attempts
 
 
 def test_flex_shortages_do_not_slow_the_shared_limiter(
-    sim, valkey_url, fresh_limiter_state, monkeypatch
+    sim, valkey_url, fresh_limiter_state, first_grant
 ):
     sim.configure(flex_unavailable=0.5)
     resource = llm(sim, rpm=60_000, redis_url=valkey_url, max_attempts=12, params=FLEX_PARAMS)
@@ -131,17 +130,8 @@ def test_flex_shortages_do_not_slow_the_shared_limiter(
             prompts = [f"h{i} shares move. Answer with one of: up, down" for i in range(ROWS)]
             reqs = [ChatRequest(i, [{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
             results = [r async for r in engine.map(reqs)]
-            return results, engine.limiter.factor, engine.limiter.epoch - first[0].epoch
+            return results, engine.limiter.factor, engine.limiter.epoch - first_grant[0].epoch
 
-    first = []  # the first grant: a new state's epoch is the server's time (limiter.lua)
-    acquire = RedisLimiter.acquire
-
-    async def spied(self, *args, **kw):
-        grant = await acquire(self, *args, **kw)
-        first[:] = first or [grant]
-        return grant
-
-    monkeypatch.setattr(RedisLimiter, "acquire", spied)
     results, factor, epoch = asyncio.run(go())
     assert sim.stats()["flex_unavailable"] > 0
     assert all(r.ok and r.service_tier == "flex" for r in results)
