@@ -21,7 +21,9 @@ local base = num('burst_ms')
 local tr, tt, f0, ft, fr = v[1], v[2], v[3] or 1, v[4] or now, v[5] or 1
 -- A new state's epoch is the server's time in ms: the count goes on past a state lost (idle past
 -- its TTL, a failover to an empty server), so an engine's older epochs never look newer.
+-- Never below an epoch the caller has seen: a state lost on a server whose clock is behind.
 local pause, ep, b, lo = v[6] or 0, v[7] or math.floor(now), math.max(base, v[8] or base), v[10] or 0
+ep = math.max(ep, num('seen'))
 local sr, stk, n = v[11] or 0, v[12] or 0, v[13] or 0
 -- A window the provider enforces, per dimension: when it resets, and what it has left.
 local win = {r = {v[14] or 0, v[15] or 0}, t = {v[16] or 0, v[17] or 0}}

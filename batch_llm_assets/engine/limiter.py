@@ -215,7 +215,7 @@ class RedisLimiter:
             *("recovery", C.ADAPT_RECOVERY_PER_S, "slowdown", C.ADAPT_PROBE_SLOWDOWN),
             *("min_factor", C.ADAPT_MIN_FACTOR, "ahead", ahead),
             *("wider", C.BURST_WIDER_RATIO, "forgive_ms", C.LULL_FORGIVE_MS),
-            *("ttl_ms", C.STATE_TTL_MARGIN_MS),
+            *("ttl_ms", C.STATE_TTL_MARGIN_MS, "seen", self.epoch),
         ]
 
     async def _call(self, op: str, *named: object, wait: bool = True) -> Grant:
