@@ -535,6 +535,25 @@ def test_what_was_sent_after_a_request_comes_off_the_remaining_its_answer_shows(
     assert view["cap_ms"] == pytest.approx(650 - 100)
 
 
+def test_a_slowdown_does_not_widen_the_burst_learned_from_a_bucket():
+    # After 429s the factor paces the sends slower; the provider's bucket is no larger. Counted
+    # in seconds of the slowed rate, the burst grew with each cut (x0.5: twice as wide) and its
+    # margin shrank in tokens, and the next burst overran the bucket: a cascade of 429s.
+    from batch_llm_assets.engine.controller import Controller
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    lim = RedisLimiter(aioredis.Redis(), namespace="t:{x}", settings=LimiterSettings(tpm=60_000))
+    ctl = Controller(lim)
+    ctl._dims[1].bucket = True
+    seen = ProviderLimits(remaining_tokens=300, reset_tokens_s=0.2)
+    views = []
+    for factor in (1.0, 0.5, 0.25):
+        lim.factor = factor
+        views.append(ctl.observe(seen, ctl.on_send(0, 0))["cap_ms"])
+    # 300 tokens at 1000/s and 0.2 s to refill the rest: a 0.5 s bucket, less the 0.1 s margin.
+    assert views == [pytest.approx(400)] * 3
+
+
 def test_limiter_warnings_are_one_line_per_kind_per_period(caplog):
     from batch_llm_assets.engine.limiter import _Warnings
 

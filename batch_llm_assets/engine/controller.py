@@ -143,15 +143,17 @@ class Controller:
             out[f"rem_{name}"] = remaining - self._since(mark, i)
             # A window: what it has left holds every process's grants until its reset (the
             # limiter), and it is paced (a burst on top of the pace would spill into its end).
-            # A bucket holds remaining + reset x rate, in seconds of the schedule's rate: the
-            # burst may grow to it.
+            # A bucket holds remaining + reset x rate: that many seconds of the believed rate
+            # is the widest burst. Not of the rate times the factor: a slowdown paces the sends,
+            # it does not widen the bucket (counted so, each cut after a 429 widened the burst
+            # and shrank its margin in tokens, and the next burst overran the bucket again).
+            # As a tolerance on the slowed schedule it admits the factor times the bucket.
             if d.window and reset_s is not None:
                 # Counted from the answer's arrival: a provider that writes its headers as it
                 # answers (not as it admits) ends the window later than the send + reset.
                 out[f"reset_{name}"] = (reset_s + C.WINDOW_RESET_MARGIN_S) * 1000
             elif reset_s is not None and d.bucket:
-                per_s = rate * lim.factor / 60
-                caps.append(remaining / per_s + reset_s * rate / 60 / per_s)
+                caps.append(remaining / (rate / 60) + reset_s)
             else:
                 unknown = True
         if any(d.window for d in self._dims):
