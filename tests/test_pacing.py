@@ -229,34 +229,43 @@ def test_a_redis_user_without_channel_rights_still_gets_its_grants(valkey_url, c
     assert len(refusals) == 1 and "for this engine's life" in refusals[0].getMessage()
 
 
+async def _acquires_after_the_state_is_lost(url: str, *, epoch_ahead: int) -> tuple[int, int]:
+    """The newest epoch an engine saw (after a 429, with the old server's epoch moved
+    `epoch_ahead` ms ahead) and the acquires three requests take once the key's state is gone."""
+    client = aioredis.Redis.from_url(url)
+    ns = f"test:state-lost:{uuid.uuid4().hex}"
+    lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(rpm=6000), job="a")
+    pacer = Pacer(lim)
+    first = await pacer.slot(1, None)
+    if epoch_ahead:
+        await client.hset(lim._keys[0], "ep", first.epoch + epoch_ahead)
+    await lim.penalize(first, retry_after_s=None)
+    await pacer.slot(1, None)
+    seen = pacer._epoch
+    await client.delete(*[k async for k in client.scan_iter(f"{ns}:*")])
+    asks = 0
+    call = lim._call
+
+    async def counted(op, *args, **kw):
+        nonlocal asks
+        asks += op == "acquire"
+        return await call(op, *args, **kw)
+
+    lim._call = counted
+    grants = [await pacer.slot(1, None) for _ in range(3)]
+    await lim.release()
+    await client.aclose()
+    assert all(g.granted for g in grants)
+    return seen, asks
+
+
 def test_an_engine_goes_on_when_the_key_s_state_is_lost(valkey_url):
     # The key's state expires after an idle minute (a queue worker between messages), or a
     # failover lands on a server without it. An engine that saw a 429 before must not take the
     # new state's slots for stale ones: before, its epochs counted again from 0, every grant was
     # older than the one it had seen, and each request took two fresh slots before it went.
-    async def main():
-        client = aioredis.Redis.from_url(valkey_url)
-        ns = f"test:state-lost:{uuid.uuid4().hex}"
-        lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(rpm=6000), job="a")
-        pacer = Pacer(lim)
-        await lim.penalize(await pacer.slot(1, None), retry_after_s=None)
-        await client.delete(*[k async for k in client.scan_iter(f"{ns}:*")])
-        asks = 0
-        call = lim._call
-
-        async def counted(op, *args, **kw):
-            nonlocal asks
-            asks += op == "acquire"
-            return await call(op, *args, **kw)
-
-        lim._call = counted
-        for _ in range(3):
-            await pacer.slot(1, None)
-        await lim.release()
-        await client.aclose()
-        return asks
-
-    assert asyncio.run(main()) == 3
+    _, asks = asyncio.run(_acquires_after_the_state_is_lost(valkey_url, epoch_ahead=0))
+    assert asks == 3
 
 
 def test_an_engine_goes_on_when_the_state_comes_back_with_a_lower_epoch(valkey_url):
@@ -264,32 +273,6 @@ def test_an_engine_goes_on_when_the_state_comes_back_with_a_lower_epoch(valkey_u
     # state's epoch (that server's time in ms) is lower than the one the engine saw. The old
     # server's epoch is set ahead here to stand for it. Before, every grant of the new state
     # looked stale and each request took two fresh slots before it went, for the key's life.
-    async def main():
-        client = aioredis.Redis.from_url(valkey_url)
-        ns = f"test:epoch-back:{uuid.uuid4().hex}"
-        lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(rpm=6000), job="a")
-        pacer = Pacer(lim)
-        first = await pacer.slot(1, None)
-        await client.hset(lim._keys[0], "ep", first.epoch + 10**9)
-        await lim.penalize(first, retry_after_s=None)
-        await pacer.slot(1, None)
-        seen = pacer._epoch
-        await client.delete(*[k async for k in client.scan_iter(f"{ns}:*")])
-        asks = 0
-        call = lim._call
-
-        async def counted(op, *args, **kw):
-            nonlocal asks
-            asks += op == "acquire"
-            return await call(op, *args, **kw)
-
-        lim._call = counted
-        grants = [await pacer.slot(1, None) for _ in range(3)]
-        await lim.release()
-        await client.aclose()
-        return seen, grants, asks
-
-    seen, grants, asks = asyncio.run(main())
-    assert all(g.granted for g in grants)
+    seen, asks = asyncio.run(_acquires_after_the_state_is_lost(valkey_url, epoch_ahead=10**9))
     assert seen > time.time() * 1000 + 10**8  # the new state's own epoch would be lower
     assert asks == 3
