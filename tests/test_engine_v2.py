@@ -187,7 +187,7 @@ def test_a_reasoning_model_gets_max_completion_tokens_from_the_start(fresh_sim):
         make(fresh_sim, model="gpt-5-mini"), [ChatRequest(i, user(f"g{i}")) for i in range(5)]
     )
     assert all(r.ok for r in results.values())
-    assert engine.token_param == "max_completion_tokens" and not engine.token_param_switched
+    assert engine.token_param.name == "max_completion_tokens" and not engine.token_param.switched
     assert fresh_sim.stats().get("unsupported_parameter", 0) == 0
 
 
@@ -198,7 +198,7 @@ def test_a_model_that_rejects_max_tokens_is_switched_once(fresh_sim, caplog):
             make(fresh_sim, max_concurrency=1), [ChatRequest(i, user(f"s{i}")) for i in range(8)]
         )
     assert all(r.ok for r in results.values())
-    assert engine.token_param_switched and engine.token_param == "max_completion_tokens"
+    assert engine.token_param.switched and engine.token_param.name == "max_completion_tokens"
     assert fresh_sim.stats()["unsupported_parameter"] == 1
     assert caplog.text.count("rejects max_tokens") == 1
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -55,6 +57,10 @@ async def _hammer(url, namespace, seconds, tasks, settings, job="job", weight=1.
 
 def _process_main(url, namespace, seconds, settings, seed, queue):
     queue.put(asyncio.run(_hammer(url, namespace, seconds, 8, settings, job=f"p{seed}", seed=seed)))
+
+
+def _hammer_until_killed(url, namespace, settings):
+    asyncio.run(_hammer(url, namespace, 3600.0, 16, settings, job="dies", seed=7))
 
 
 def _max_in_window(sends, window, value):
@@ -164,6 +170,50 @@ def test_leases_lapse(redis_url, namespace):
         await client.aclose()
 
     run(main())
+
+
+def test_a_job_killed_at_saturation_gives_its_share_back_when_its_lease_lapses(
+    redis_url, namespace
+):
+    # A process SIGKILLed while it holds a lease, a weight and slots reserved ahead: nothing of
+    # it runs again, no release is sent. The job beside it gets half the limit while it lives
+    # and the whole of it once its lease lapses (its weight and use are forgotten then).
+    settings = {"tpm": 300_000, "burst_s": 0.2, "lease_ms": 500}  # 5000 tokens/s
+    ctx = mp.get_context("spawn")
+    dying = ctx.Process(target=_hammer_until_killed, args=(redis_url, namespace, settings))
+    dying.start()
+    probe = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.time() + 60
+        while not probe.zcard(f"{namespace}:leases") and time.time() < deadline:
+            time.sleep(0.05)
+        assert dying.is_alive() and probe.zcard(f"{namespace}:leases")
+
+        async def main():
+            async def kill_later():
+                await asyncio.sleep(2.0)
+                os.kill(dying.pid, signal.SIGKILL)
+                return time.time()
+
+            killer = asyncio.create_task(kill_later())
+            sends = await _hammer(redis_url, namespace, 5.0, 16, settings, job="lives")
+            return sends, await killer
+
+        sends, killed = run(main())
+        dying.join(timeout=10)
+        # Nothing of the dead job is left: its lease lapsed, its weight and use went with it.
+        assert not probe.exists(f"{namespace}:leases", f"{namespace}:jobs")
+    finally:
+        if dying.is_alive():
+            dying.kill()
+        probe.close()
+    start = min(t for t, _ in sends)
+
+    def rate(lo, hi):
+        return sum(c for t, c in sends if lo <= t < hi) / (hi - lo)
+
+    assert rate(start + 0.5, killed) <= 0.75 * 5000  # shared while the other job lives
+    assert rate(killed + 0.5 + 0.5, start + 5.0) >= 0.85 * 5000  # whole once its lease lapsed
 
 
 @pytest.mark.parametrize("reach_s", [3600.0, 1.0], ids=["slots-read-ahead", "within-reach"])

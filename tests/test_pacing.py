@@ -276,3 +276,40 @@ def test_an_engine_goes_on_when_the_state_comes_back_with_a_lower_epoch(valkey_u
     seen, asks = asyncio.run(_acquires_after_the_state_is_lost(valkey_url, epoch_ahead=10**9))
     assert seen > time.time() * 1000 + 10**8  # the new state's own epoch would be lower
     assert asks == 3
+
+
+def test_an_epoch_no_script_could_make_is_not_heard(valkey_url):
+    # Anyone with write access to Redis can publish on the key's channel. What is heard there
+    # reaches the state (every call carries the newest epoch seen): a huge integer must not,
+    # or the state's epoch would jump past what a Lua number holds exactly (and past 2^63,
+    # what a Redis integer reply holds). Junk is ignored; a real epoch after it is heard.
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        ns = f"test:junk-epoch:{uuid.uuid4().hex}"
+        lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(rpm=600))
+        first = await lim.acquire(1)
+        channel = f"{ns}:state:epoch"
+        while (await client.pubsub_numsub(channel))[0][1] == 0:
+            await asyncio.sleep(0.01)
+        for junk in (
+            10**30,
+            2**63,
+            2**53,
+            -5,
+            "nan",
+            "1e400",
+            "\udcff".encode("utf-8", "surrogatepass"),
+        ):
+            await client.publish(channel, junk if isinstance(junk, bytes) else str(junk))
+        await client.publish(channel, first.epoch + 1)
+        while lim.epoch <= first.epoch:  # the channel keeps order: the junk was read first
+            await asyncio.sleep(0.01)
+        heard = lim.epoch
+        after = await lim.acquire(1)
+        await lim.release()
+        await client.aclose()
+        return first, heard, after
+
+    first, heard, after = asyncio.run(main())
+    assert heard == first.epoch + 1
+    assert after.epoch == first.epoch + 1 and after.granted

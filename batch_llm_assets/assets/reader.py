@@ -243,7 +243,7 @@ class SliceReader:
         assert engine is not None
         if body is not None:
             return request_identity(body, self.scopes[legacy])
-        key = (engine.token_param, legacy)
+        key = (engine.token_param.name, legacy)
         identity = self._identities.get(key)
         if identity is None:
             body = engine.request_body([])

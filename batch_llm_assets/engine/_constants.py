@@ -148,6 +148,9 @@ LIMITER_MAX_RETRY_DELAY_S = 5.0
 # How long one wait for another process's restart lasts before it waits again (under the Redis
 # client's socket timeout, REDIS_CONNECT_TIMEOUT_S, which would end the subscription).
 EPOCH_LISTEN_S = 1.0
+# No epoch heard on the key's channel is believed at or past this: the script's epochs are a
+# server time in ms plus the overload events since, exact in a Lua number below 2^53.
+MAX_EPOCH = 2**53
 
 # Requests rejected with these errors, this many times in a row, abort the batch.
 FATAL_ERROR_THRESHOLD = 3

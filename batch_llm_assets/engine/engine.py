@@ -25,7 +25,7 @@ from .gate import ConcurrencyGate, held
 from .limiter import Grant, RedisLimiter
 from .outcome import TRUNCATED, classify_answer, tools_requested
 from .pacing import Pacer
-from .profiles import token_param_for
+from .profiles import TokenParam
 from .requests import (
     NON_FINITE,
     Attempts,
@@ -79,8 +79,7 @@ class Engine:
             retry_budget_ratio=settings.retry_budget_ratio,
         )
         self.flex = FlexTier(settings, self._send, self.request_body)  # service_tier flex
-        self.token_param = settings.token_param or token_param_for(settings.model)
-        self.token_param_switched = False  # the provider rejected the first choice (recorded)
+        self.token_param = TokenParam(settings.model, settings.token_param)
         self.warned_usage_estimated = False
         encoding_for(settings.model)  # load tiktoken's files now, not inside the first request
         fallback = uses_fallback_encoding(settings.model)
@@ -129,7 +128,7 @@ class Engine:
     ) -> dict[str, Any]:
         """The exact JSON body sent for these messages, every default applied (pure)."""
         body = {**self.s.params, **(params or {}), "model": self.s.model, "messages": messages}
-        self._set_token_param(body, requested_max_tokens(body, self.s.default_max_tokens))
+        self.token_param.set(body, requested_max_tokens(body, self.s.default_max_tokens))
         return body
 
     def _prepare(self, req: ChatRequest) -> tuple[dict[str, Any], int, int] | ChatResult:
@@ -162,29 +161,6 @@ class Engine:
                 estimated_tokens=estimate,
             )
         return body, estimate, max_tokens
-
-    def _set_token_param(self, body: dict[str, Any], max_tokens: int) -> None:
-        """The answer budget under the parameter this model takes (one of the two, never both)."""
-        other = (
-            "max_tokens" if self.token_param == "max_completion_tokens" else "max_completion_tokens"
-        )
-        body.pop(other, None)
-        body[self.token_param] = max_tokens
-
-    def _switch_token_param(self, exc: E.ProviderError) -> bool:
-        """The model rejected the token-limit parameter: use the other one, once per engine."""
-        if self.token_param_switched or exc.unsupported_param != self.token_param:
-            return False
-        old = self.token_param
-        self.token_param = "max_completion_tokens" if old == "max_tokens" else "max_tokens"
-        self.token_param_switched = True
-        log.warning(
-            "Model %r rejects %s; sending %s instead (set it in params to skip this).",
-            self.s.model,
-            old,
-            self.token_param,
-        )
-        return True
 
     async def run_one(self, req: ChatRequest) -> ChatResult:
         """One request through validation, limiter, retries. Never raises for provider errors."""
@@ -232,7 +208,8 @@ class Engine:
             if verdict.retry and not empty_retried:  # billable: once, never max_attempts times
                 empty_retried = True
                 continue
-            return self._result(req, resp, verdict, st, started, max_tokens)
+            tokens = self._usage_or_estimate(st.estimate, max_tokens, resp)
+            return st.answered(req, resp, verdict, started=started, tokens=tokens)
 
     async def _attempt(self, req, body, max_tokens, deadline, st: Attempts):
         """Wait for a slot and send once: (answer or ProviderError, grant, start time), or the
@@ -270,7 +247,7 @@ class Engine:
                 await self.pacer.give_back(grant)
             return st.failed(req, spend.error_class, spend.message)
         st.attempt += 1
-        self._set_token_param(body, max_tokens)
+        self.token_param.set(body, max_tokens)
         started = time.perf_counter()
         st.first_send = st.first_send or started
         mark = self.pacer.sent(st.estimate, max_tokens) if self.pacer is not None else None
@@ -311,7 +288,7 @@ class Engine:
             st.n429 += 1
             if self.pacer is not None:
                 await self.pacer.rejected(grant, exc)
-        if self._switch_token_param(exc):
+        if self.token_param.switch(exc.unsupported_param):
             return 0.0
         self.breaker.error(exc, sigs)
         if not exc.retryable or st.attempt >= self.s.max_attempts:
@@ -337,34 +314,6 @@ class Engine:
         why = f" (last error: {st.last.message})" if st.last else ""
         return st.failed(
             req, E.DEADLINE_EXCEEDED, f"deadline passed before the request could be sent{why}"
-        )
-
-    def _result(self, req, resp: ChatResponse, verdict, st: Attempts, started, max_tokens):
-        ended = time.perf_counter()
-        prompt_tokens, completion_tokens, estimated = self._usage_or_estimate(
-            st.estimate, max_tokens, resp
-        )
-        return ChatResult(
-            req.id,
-            verdict.status,
-            response=verdict.response,
-            finish_reason=resp.finish_reason,
-            refusal=resp.refusal,
-            error_class=verdict.error_class,
-            error_message=verdict.message,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            latency_ms=(ended - started) * 1000,
-            total_ms=(ended - (st.first_send or started)) * 1000,
-            attempts=st.attempt,
-            estimated_tokens=st.estimate,
-            rate_limit_wait_s=st.waited,
-            http_429=st.n429,
-            model=resp.model,
-            tokens_estimated=estimated,
-            cached_tokens=resp.usage.cached_tokens if resp.usage else None,
-            reasoning_tokens=resp.usage.reasoning_tokens if resp.usage else None,
-            service_tier=resp.service_tier,
         )
 
     def _usage_or_estimate(

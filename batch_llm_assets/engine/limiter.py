@@ -19,7 +19,7 @@ from redis import exceptions as rx
 
 from . import _constants as C
 from .errors import LimiterError
-from .redis_client import backoff, call_script, check_redis, connect_redis, error_kind
+from .redis_client import Warnings, backoff, call_script, check_redis, connect_redis, error_kind
 
 __all__ = ["Grant", "LimiterSettings", "RedisLimiter", "check_redis", "connect_redis"]
 
@@ -68,24 +68,6 @@ class LimiterSettings:
     reach_s: float = C.GRANT_REACH_S  # no slot granted further ahead (a test reads far slots)
 
 
-class _Warnings:
-    """One log line per kind per `every_s` seconds, with how many were held back."""
-
-    def __init__(self, every_s: float = C.WARN_EVERY_S) -> None:
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def __call__(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) < self.every_s:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return
-        held = self._held.pop(kind, 0)
-        self._last[kind] = now
-        log.warning(msg + (f" ({held} more like it not shown)" if held else ""), *args)
-
-
 class RedisLimiter:
     """Requests/min and tokens/min shared by every process on one key, through limiter.lua.
 
@@ -118,7 +100,7 @@ class RedisLimiter:
         # Told of every reply (the pacer wakes its sleepers when their slots went stale): a
         # reply to a request still in line, or to a give-back, carries a new epoch too.
         self.on_reply: Callable[[], None] | None = None
-        self.warn = _Warnings()
+        self.warn = Warnings()
         self._where = where
         self._horizon = 0.0  # the latest send time granted here (monotonic): see limiter.lua
         self._line = asyncio.Lock()  # requests not granted at once wait here, one asking
@@ -170,7 +152,8 @@ class RedisLimiter:
             epoch = int(data)  # type: ignore[call-overload]
         except (TypeError, ValueError):
             return  # not the script's: someone else's message on the channel
-        if epoch > self.epoch:
+        # Anyone with write access may publish here, and what is heard reaches the state (`seen`).
+        if epoch > self.epoch and epoch < C.MAX_EPOCH:
             self.epoch = epoch
             if self.on_reply is not None:
                 self.on_reply()

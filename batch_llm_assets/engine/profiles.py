@@ -9,9 +9,12 @@ still llama.cpp).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
 
 PROVIDERS = (
     "openai",
@@ -81,6 +84,38 @@ def token_param_for(model: str) -> str:
     """OpenAI's reasoning models (gpt-5*, o1*, o3*, o4*) reject max_tokens."""
     bare = model.rsplit("/", 1)[-1].lower()
     return "max_completion_tokens" if bare.startswith(_REASONING_PREFIXES) else "max_tokens"
+
+
+_TOKEN_PARAMS = ("max_tokens", "max_completion_tokens")
+
+
+class TokenParam:
+    """The parameter one engine's model takes for the answer budget (never both): chosen by
+    the model's name, switched once if the model rejects it (`switched` is recorded)."""
+
+    def __init__(self, model: str, name: str | None = None) -> None:
+        self.model = model
+        self.name = name or token_param_for(model)
+        self.switched = False
+
+    def set(self, body: dict[str, Any], max_tokens: int) -> None:
+        for other in _TOKEN_PARAMS:
+            body.pop(other, None)
+        body[self.name] = max_tokens
+
+    def switch(self, rejected: str | None) -> bool:
+        """The model rejected parameter `rejected`: if it is ours, take the other one, once."""
+        if self.switched or rejected != self.name:
+            return False
+        old, self.switched = self.name, True
+        self.name = "max_completion_tokens" if old == "max_tokens" else "max_tokens"
+        log.warning(
+            "Model %r rejects %s; sending %s instead (set it in params to skip this).",
+            self.model,
+            old,
+            self.name,
+        )
+        return True
 
 
 _WINDOW_FIELDS = (

@@ -153,6 +153,24 @@ async def check_redis(client, url: str, *, timeout_s: float = C.REDIS_CONNECT_TI
         raise err from exc
 
 
+class Warnings:
+    """One log line per kind per `every_s` seconds, with how many were held back."""
+
+    def __init__(self, every_s: float = C.WARN_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        log.warning(msg + (f" ({held} more like it not shown)" if held else ""), *args)
+
+
 def _warn_outage(kind: str, msg: str, *args: object) -> None:
     log.warning(msg, *args)
 

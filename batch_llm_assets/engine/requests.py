@@ -8,11 +8,15 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _constants as C
 from .adaptive import check_concurrency
 from .errors import ProviderError
+
+if TYPE_CHECKING:
+    from .outcome import Outcome
+    from .transport import ChatResponse
 
 
 @dataclass(slots=True)
@@ -89,6 +93,42 @@ class Attempts:
             estimated_tokens=self.estimate,
             rate_limit_wait_s=self.waited,
             http_429=self.n429,
+        )
+
+    def answered(
+        self,
+        req: ChatRequest,
+        resp: ChatResponse,
+        verdict: Outcome,
+        *,
+        started: float,
+        tokens: tuple[int | None, int | None, bool],
+    ) -> ChatResult:
+        """The row's result from an answer, sent at `started` (time.perf_counter()) and judged
+        `verdict`; `tokens`: (prompt, completion, estimated) as usage (or the estimate) says."""
+        ended = time.perf_counter()
+        usage = resp.usage
+        return ChatResult(
+            req.id,
+            verdict.status,
+            response=verdict.response,
+            finish_reason=resp.finish_reason,
+            refusal=resp.refusal,
+            error_class=verdict.error_class,
+            error_message=verdict.message,
+            prompt_tokens=tokens[0],
+            completion_tokens=tokens[1],
+            latency_ms=(ended - started) * 1000,
+            total_ms=(ended - (self.first_send or started)) * 1000,
+            attempts=self.attempt,
+            estimated_tokens=self.estimate,
+            rate_limit_wait_s=self.waited,
+            http_429=self.n429,
+            model=resp.model,
+            tokens_estimated=tokens[2],
+            cached_tokens=usage.cached_tokens if usage else None,
+            reasoning_tokens=usage.reasoning_tokens if usage else None,
+            service_tier=resp.service_tier,
         )
 
 
