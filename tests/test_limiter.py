@@ -447,6 +447,28 @@ def test_a_server_that_lost_its_data_does_not_hand_out_slots_already_held(redis_
     run(main())
 
 
+def test_the_factor_recovers_fast_only_to_under_the_rate_that_failed(redis_url, namespace):
+    # A 429 at the full rate: that rate was refused (no header says where the limit is). The
+    # factor recovers at ADAPT_RECOVERY_PER_S only up to ADAPT_KNEE of it, then
+    # ADAPT_PROBE_SLOWDOWN times slower; straight back to the rate that failed, it is refused
+    # again once per cycle. Time passes by moving the state's clock back: 0.7 + 4 s x 0.05 =
+    # 0.9 after 4 s, then 0.01 a second.
+    cut, knee, rec = C.ADAPT_DECREASE, C.ADAPT_KNEE, C.ADAPT_RECOVERY_PER_S
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600)
+        await lim.penalize(await lim.acquire(0), retry_after_s=None)
+        state = await client.hgetall(f"{namespace}:state")
+        await client.hset(f"{namespace}:state", mapping={"ft": float(state[b"ft"]) - 6000})
+        factor = (await lim.acquire(0)).factor
+        await client.aclose()
+        return factor
+
+    fast_s = (knee - cut) / rec
+    expected = knee + rec / C.ADAPT_PROBE_SLOWDOWN * (6 - fast_s)
+    assert run(main()) == pytest.approx(expected, abs=0.005)
+
+
 def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, rpm=600)

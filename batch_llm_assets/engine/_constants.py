@@ -85,10 +85,14 @@ CEILING_FREE_BURST_S = 1.0
 # what the burst may take at any moment.
 LEARNED_BURST_MARGIN_S = 0.1
 MAX_LEARNED_BURST_S = 60.0
-# AIMD on 429s: x0.7 per overload event, +0.05 per second back up to the factor in force when
-# the 429s began, then ADAPT_PROBE_SLOWDOWN times slower; never below ADAPT_MIN_FACTOR.
+# AIMD on 429s: x0.7 per overload event, +0.05 per second back up to ADAPT_KNEE times the factor
+# the 429 came at (that rate was refused: straight back to it, a limit under the configured one
+# that no header states refuses it again once per cycle), then ADAPT_PROBE_SLOWDOWN times slower
+# (CUBIC's plateau around the window of its last loss, RFC 8312 section 4); never below
+# ADAPT_MIN_FACTOR.
 ADAPT_DECREASE = 0.7
 ADAPT_RECOVERY_PER_S = 0.05
+ADAPT_KNEE = 0.9
 ADAPT_PROBE_SLOWDOWN = 5.0
 ADAPT_MIN_FACTOR = 0.1
 # The script's remaining numbers. A settle whose burst (the bucket the provider's headers show)

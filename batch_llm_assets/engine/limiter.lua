@@ -38,7 +38,8 @@ if v[9] and now < v[9] then
 end
 ft = math.min(ft, now)
 
--- The factor recovers by `recovery`/s up to where the 429s began (fr), then `slowdown` x slower.
+-- The factor recovers by `recovery`/s up to fr, `knee` x the factor a 429 came at (that rate was
+-- over the limit), then `slowdown` x slower.
 local rec, slow, minf = num('recovery'), math.max(1, num('slowdown')), num('min_factor')
 f0 = math.max(minf, math.min(1, f0))
 local dt = (now - ft) / 1000
@@ -150,7 +151,7 @@ if op == 'penalize' then
   if num('pause_ms') > 0 then pause = math.max(pause, now + num('pause_ms')) end
   local from = math.max(now, pause)
   if num('epoch') >= ep then
-    fr, f0, ft = factor, math.max(minf, factor * num('decrease')), now
+    fr, f0, ft = factor * num('knee'), math.max(minf, factor * num('decrease')), now
     factor, b = f0, base
     rates()
     hold(from, true)

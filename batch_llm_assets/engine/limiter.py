@@ -314,6 +314,7 @@ class RedisLimiter:
         await self._call(
             "penalize",
             *("epoch", grant.epoch, "pause_ms", pause_ms, "decrease", C.ADAPT_DECREASE),
+            *("knee", C.ADAPT_KNEE),
         )
 
     async def release(self) -> None:
