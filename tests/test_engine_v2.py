@@ -555,9 +555,9 @@ def test_a_slowdown_does_not_widen_the_burst_learned_from_a_bucket():
 
 
 def test_limiter_warnings_are_one_line_per_kind_per_period(caplog):
-    from batch_llm_assets.engine.limiter import _Warnings
+    from batch_llm_assets.engine.redis_client import Warnings
 
-    warn = _Warnings(every_s=10)
+    warn = Warnings(every_s=10)
     with caplog.at_level(logging.WARNING):
         for _ in range(50):
             warn("ConnectionError", "Limiter Redis unavailable (%s); retrying.", "x")
