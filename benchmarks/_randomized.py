@@ -18,9 +18,11 @@ Definitions:
   min(configured, true) would take: the same requests, as the provider counts them, admitted in
   order, each at the earliest instant that the provider's enforcement at the true limit (the
   simulator's own limit classes, at the phase its windows had at the first send), a pace at
-  min(configured, true) with a 0.5 s burst, and the configured ceiling (at most the configured
-  per-minute amount in any 60 s window, both dimensions) all admit it, plus one mean answer
-  latency. The configured limit is a rate headers never raise: the utilisation is that of
+  min(configured, true) with the engine's default burst (PACED_BURST_S), and the configured
+  ceiling (at most the configured per-minute amount in any 60 s window, both dimensions) all
+  admit it, plus one mean answer latency. `with_burst` in the JSON line (`util 0.5s` in the
+  table): the same against an ideal that bursts 0.5 s, the suite's ideal until the engine's
+  default burst became 0. The configured limit is a rate headers never raise: the utilisation is that of
   min(configured, true). A job that bursts a provider's bucket or window may beat that ideal
   (`ideal_over_wall` above 1); it counts as 1.
 - Job size: the smallest number of requests, at least 100 (below it one 429 is over 1 % of the

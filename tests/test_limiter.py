@@ -451,8 +451,8 @@ def test_the_factor_recovers_fast_only_to_under_the_rate_that_failed(redis_url, 
     # A 429 at the full rate: that rate was refused (no header says where the limit is). The
     # factor recovers at ADAPT_RECOVERY_PER_S only up to ADAPT_KNEE of it, then
     # ADAPT_PROBE_SLOWDOWN times slower; straight back to the rate that failed, it is refused
-    # again once per cycle. Time passes by moving the state's clock back: 0.7 + 4 s x 0.05 =
-    # 0.9 after 4 s, then 0.01 a second.
+    # again once per cycle. Time passes by moving the state's clock back: 0.7 + 2.5 s x 0.1 =
+    # 0.95 after 2.5 s, then 0.0025 a second.
     cut, knee, rec = C.ADAPT_DECREASE, C.ADAPT_KNEE, C.ADAPT_RECOVERY_PER_S
 
     async def main():
@@ -467,6 +467,35 @@ def test_the_factor_recovers_fast_only_to_under_the_rate_that_failed(redis_url, 
     fast_s = (knee - cut) / rec
     expected = knee + rec / C.ADAPT_PROBE_SLOWDOWN * (6 - fast_s)
     assert run(main()) == pytest.approx(expected, abs=0.005)
+
+
+def test_past_the_rate_that_failed_the_factor_recovers_fast_again(redis_url, namespace):
+    # Two overload events: the second 429 came at the cut factor. Back across it, the factor is
+    # at a rate the provider never refused (the limit rose: another client on the key stopped)
+    # and goes on at ADAPT_RECOVERY_PER_S, not ADAPT_PROBE_SLOWDOWN times slower.
+    cut, knee, rec, slow = (
+        C.ADAPT_DECREASE,
+        C.ADAPT_KNEE,
+        C.ADAPT_RECOVERY_PER_S,
+        C.ADAPT_PROBE_SLOWDOWN,
+    )
+    fast_s = (knee * cut - cut * cut) / rec
+    across_s = (1 - knee) * cut * slow / rec
+    beyond_s = 2.0
+
+    async def main():
+        client, lim = _limiter(redis_url, namespace, rpm=600)
+        await lim.penalize(await lim.acquire(0), retry_after_s=None)
+        await lim.penalize(await lim.acquire(0), retry_after_s=None)  # a new event
+        assert lim.factor == pytest.approx(cut * cut, abs=0.005)
+        state = await client.hgetall(f"{namespace}:state")
+        back = (fast_s + across_s + beyond_s) * 1000
+        await client.hset(f"{namespace}:state", mapping={"ft": float(state[b"ft"]) - back})
+        factor = (await lim.acquire(0)).factor
+        await client.aclose()
+        return factor
+
+    assert run(main()) == pytest.approx(cut + rec * beyond_s, abs=0.005)
 
 
 def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):

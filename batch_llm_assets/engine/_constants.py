@@ -85,15 +85,16 @@ CEILING_FREE_BURST_S = 1.0
 # what the burst may take at any moment.
 LEARNED_BURST_MARGIN_S = 0.1
 MAX_LEARNED_BURST_S = 60.0
-# AIMD on 429s: x0.7 per overload event, +0.05 per second back up to ADAPT_KNEE times the factor
-# the 429 came at (that rate was refused: straight back to it, a limit under the configured one
-# that no header states refuses it again once per cycle), then ADAPT_PROBE_SLOWDOWN times slower
-# (CUBIC's plateau around the window of its last loss, RFC 8312 section 4); never below
-# ADAPT_MIN_FACTOR.
+# AIMD on 429s: x0.7 per overload event; back up at 0.1 per second to ADAPT_KNEE times the factor
+# the 429 came at, across to that factor ADAPT_PROBE_SLOWDOWN times slower (the provider refused
+# that rate: probed again at once, a limit under the configured one that no header states refuses
+# it again once per cycle), and at 0.1 per second beyond it (a rate never refused); CUBIC's
+# concave and convex regions around the window of its last loss (RFC 8312, section 4). Never
+# below ADAPT_MIN_FACTOR.
 ADAPT_DECREASE = 0.7
-ADAPT_RECOVERY_PER_S = 0.05
-ADAPT_KNEE = 0.9
-ADAPT_PROBE_SLOWDOWN = 5.0
+ADAPT_RECOVERY_PER_S = 0.1
+ADAPT_KNEE = 0.95
+ADAPT_PROBE_SLOWDOWN = 40.0
 ADAPT_MIN_FACTOR = 0.1
 # The script's remaining numbers. A settle whose burst (the bucket the provider's headers show)
 # is BURST_WIDER_RATIO times the one in use and wider by BURST_WIDER_STEP_S (or by the configured

@@ -13,12 +13,12 @@ local function num(k) return tonumber(a[k]) or 0 end
 local op, job, t = ARGV[1], a.job or '', redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
-local S, F = KEYS[1], {'tr', 'tt', 'f', 'ft', 'fr', 'pause', 'ep', 'b', 'lt', 'lo', 'sr', 'st',
+local S, F = KEYS[1], {'tr', 'tt', 'f', 'ft', 'fp', 'pause', 'ep', 'b', 'lt', 'lo', 'sr', 'st',
   'n', 'wer', 'wrr', 'wet', 'wrt'}
 local v = redis.call('HMGET', S, unpack(F))
 for i = 1, #F do v[i] = tonumber(v[i]) end
 local base = num('burst_ms')
-local tr, tt, f0, ft, fr = v[1], v[2], v[3] or 1, v[4] or now, v[5] or 1
+local tr, tt, f0, ft, fp = v[1], v[2], v[3] or 1, v[4] or now, v[5] or 1
 -- A new state's epoch is the server's time in ms: the count goes on past a state lost (idle past
 -- its TTL, a failover to an empty server), so an engine's older epochs never look newer.
 -- Never below an epoch the caller has seen: a state lost on a server whose clock is behind.
@@ -38,13 +38,15 @@ if v[9] and now < v[9] then
 end
 ft = math.min(ft, now)
 
--- The factor recovers by `recovery`/s up to fr, `knee` x the factor a 429 came at (that rate was
--- over the limit), then `slowdown` x slower.
+-- The factor recovers by `recovery`/s up to `knee` x fp, the factor the latest 429 came at, across
+-- to fp `slowdown` x slower (the provider refused that rate), and at `recovery`/s beyond it.
 local rec, slow, minf = num('recovery'), math.max(1, num('slowdown')), num('min_factor')
 f0 = math.max(minf, math.min(1, f0))
-local dt = (now - ft) / 1000
-local factor = math.min(f0 + rec * dt, math.max(f0, fr))
-  + rec / slow * math.max(0, dt - math.max(0, (fr - f0) / rec))
+local dt, kp = (now - ft) / 1000, num('knee') * fp
+local t1 = math.max(0, (kp - f0) / rec)
+local t2 = math.max(0, fp - math.max(f0, kp)) * slow / rec
+local factor = f0 + rec * (math.min(dt, t1) + math.min(math.max(0, dt - t1), t2) / slow
+  + math.max(0, dt - t1 - t2))
 factor = math.max(minf, math.min(1, factor))
 -- Interval (ms) per unit at the believed rate times the factor; 0: a dimension not limited.
 local rpm, tpm, ur, ut = num('rpm'), num('tpm'), 0, 0
@@ -74,7 +76,7 @@ local function note(slot, dr, dtk)
 end
 
 local function reply(granted, s, share, jobs)
-  local vals = {tr, tt, f0, ft, fr, pause, ep, b, now, lo, sr, stk, n, win.r[1], win.r[2],
+  local vals = {tr, tt, f0, ft, fp, pause, ep, b, now, lo, sr, stk, n, win.r[1], win.r[2],
     win.t[1], win.t[2]}
   local kv = {}
   for i = 1, #F do kv[2 * i - 1], kv[2 * i] = F[i], vals[i] end
@@ -151,7 +153,7 @@ if op == 'penalize' then
   if num('pause_ms') > 0 then pause = math.max(pause, now + num('pause_ms')) end
   local from = math.max(now, pause)
   if num('epoch') >= ep then
-    fr, f0, ft = factor * num('knee'), math.max(minf, factor * num('decrease')), now
+    fp, f0, ft = factor, math.max(minf, factor * num('decrease')), now
     factor, b = f0, base
     rates()
     hold(from, true)

@@ -196,6 +196,7 @@ class RedisLimiter:
             *("job", self.job, "engine", self.engine_id),
             *("rpm", self.rpm or 0, "tpm", self.tpm or 0, "burst_ms", self.settings.burst_s * 1000),
             *("recovery", C.ADAPT_RECOVERY_PER_S, "slowdown", C.ADAPT_PROBE_SLOWDOWN),
+            *("knee", C.ADAPT_KNEE),
             *("min_factor", C.ADAPT_MIN_FACTOR, "ahead", ahead),
             *("wider", C.BURST_WIDER_RATIO, "forgive_ms", C.LULL_FORGIVE_MS),
             *("ttl_ms", C.STATE_TTL_MARGIN_MS, "seen", self.epoch),
@@ -314,7 +315,6 @@ class RedisLimiter:
         await self._call(
             "penalize",
             *("epoch", grant.epoch, "pause_ms", pause_ms, "decrease", C.ADAPT_DECREASE),
-            *("knee", C.ADAPT_KNEE),
         )
 
     async def release(self) -> None:
