@@ -22,8 +22,8 @@ Definitions:
   ceiling (at most the configured per-minute amount in any 60 s window, both dimensions) all
   admit it, plus one mean answer latency. `with_burst` in the JSON line (`util 0.5s` in the
   table): the same against an ideal that bursts 0.5 s, the suite's ideal until the engine's
-  default burst became 0. The configured limit is a rate headers never raise: the utilisation is that of
-  min(configured, true). A job that bursts a provider's bucket or window may beat that ideal
+  default burst became 0. The configured limit is a rate headers never raise: the utilisation
+  is that of min(configured, true). A job that bursts a provider's bucket or window may beat that ideal
   (`ideal_over_wall` above 1); it counts as 1.
 - Job size: the smallest number of requests, at least 100 (below it one 429 is over 1 % of the
   job), whose ideal reaches a target drawn from 6-12 s (one provider in five: 65-72 s, so the

@@ -454,19 +454,26 @@ def test_the_factor_recovers_fast_only_to_under_the_rate_that_failed(redis_url, 
     # again once per cycle. Time passes by moving the state's clock back: 0.7 + 2.5 s x 0.1 =
     # 0.95 after 2.5 s, then 0.0025 a second.
     cut, knee, rec = C.ADAPT_DECREASE, C.ADAPT_KNEE, C.ADAPT_RECOVERY_PER_S
-
-    async def main():
-        client, lim = _limiter(redis_url, namespace, rpm=600)
-        await lim.penalize(await lim.acquire(0), retry_after_s=None)
-        state = await client.hgetall(f"{namespace}:state")
-        await client.hset(f"{namespace}:state", mapping={"ft": float(state[b"ft"]) - 6000})
-        factor = (await lim.acquire(0)).factor
-        await client.aclose()
-        return factor
-
     fast_s = (knee - cut) / rec
     expected = knee + rec / C.ADAPT_PROBE_SLOWDOWN * (6 - fast_s)
-    assert run(main()) == pytest.approx(expected, abs=0.005)
+    assert run(_factor_after(redis_url, namespace, events=1, later_s=6)) == pytest.approx(
+        expected, abs=0.005
+    )
+
+
+async def _factor_after(url, namespace, *, events: int, later_s: float) -> float:
+    """The factor `later_s` after `events` overload events in a row (each 429 for a grant made
+    after the previous cut), time passed by moving the state's clock back."""
+    client, lim = _limiter(url, namespace, rpm=600)
+    for _ in range(events):
+        await lim.penalize(await lim.acquire(0), retry_after_s=None)
+    assert lim.factor == pytest.approx(C.ADAPT_DECREASE**events, abs=0.005)
+    state = await client.hgetall(f"{namespace}:state")
+    ft = float(state[b"ft"]) - later_s * 1000
+    await client.hset(f"{namespace}:state", mapping={"ft": ft})
+    factor = (await lim.acquire(0)).factor
+    await client.aclose()
+    return factor
 
 
 def test_past_the_rate_that_failed_the_factor_recovers_fast_again(redis_url, namespace):
@@ -482,20 +489,9 @@ def test_past_the_rate_that_failed_the_factor_recovers_fast_again(redis_url, nam
     fast_s = (knee * cut - cut * cut) / rec
     across_s = (1 - knee) * cut * slow / rec
     beyond_s = 2.0
-
-    async def main():
-        client, lim = _limiter(redis_url, namespace, rpm=600)
-        await lim.penalize(await lim.acquire(0), retry_after_s=None)
-        await lim.penalize(await lim.acquire(0), retry_after_s=None)  # a new event
-        assert lim.factor == pytest.approx(cut * cut, abs=0.005)
-        state = await client.hgetall(f"{namespace}:state")
-        back = (fast_s + across_s + beyond_s) * 1000
-        await client.hset(f"{namespace}:state", mapping={"ft": float(state[b"ft"]) - back})
-        factor = (await lim.acquire(0)).factor
-        await client.aclose()
-        return factor
-
-    assert run(main()) == pytest.approx(cut + rec * beyond_s, abs=0.005)
+    later_s = fast_s + across_s + beyond_s
+    factor = run(_factor_after(redis_url, namespace, events=2, later_s=later_s))
+    assert factor == pytest.approx(cut + rec * beyond_s, abs=0.005)
 
 
 def test_a_factor_stored_out_of_range_is_clamped(redis_url, namespace):
