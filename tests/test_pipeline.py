@@ -249,7 +249,14 @@ async def _drain(stream):
         pass
 
 
-def _defs(tmp_path, sim, db, template="{{ headline }} Answer with one of: up, down", **asset_kw):
+def _defs(
+    tmp_path,
+    sim,
+    db,
+    template="{{ headline }} Answer with one of: up, down",
+    llm_kw: dict | None = None,
+    **asset_kw,
+):
     code = f"""
 import dagster as dg
 from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
@@ -264,7 +271,7 @@ sentiment = build_llm_batch_asset(
 )
 defs = dg.Definitions(assets=[sentiment], resources={{
     "llm": LLMResource(base_url="{sim.url}", api_key="{SIM_KEY}", model="gpt-4o-mini",
-                       max_concurrency=8),
+                       max_concurrency=8, **{llm_kw or {}!r}),
     "warehouse": DuckDBWarehouse(database="{db}"),
 }})
 """
@@ -300,6 +307,29 @@ def test_sigterm_ends_the_run_within_seconds_and_keeps_every_answer(fresh_sim, d
     assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     assert query(db, "SELECT count(*), count(DISTINCT id) FROM news_sentiment") == [(1000, 1000)]
     assert fresh_sim.stats()["answered"] - 1000 <= 8  # journaled answers were not paid twice
+
+
+def test_a_run_stopped_by_sigterm_gives_its_share_of_the_key_back_at_once(
+    fresh_sim, db, tmp_path, valkey_url, fresh_limiter_state
+):
+    """Dagster's run termination (SIGTERM) while the run is paced by the shared limiter: the
+    run's lease goes as it stops, so another job on the key gets the whole limit at once, not
+    when the lease lapses (JOB_LEASE_TTL_MS later)."""
+    fresh_sim.configure(latency_ms=40.0)
+    limited = {"rpm": 600, "redis_url": valkey_url, "job_key": "team-a"}
+    cmd, env = _defs(tmp_path, fresh_sim, db, llm_kw=limited)
+    ns = limiter_namespace(fresh_sim.url, "gpt-4o-mini", SIM_KEY)
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+
+    def leased() -> list[str]:
+        return [m for m in r.zrange(f"{ns}:leases", 0, -1) if m.startswith("team-a|")]
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _sigterm_after(proc, lambda: fresh_sim.stats().get("answered", 0) >= 20 and leased())
+    assert proc.returncode != 0
+    assert fresh_sim.stats()["answered"] < 1000  # stopped while paced, not after the work
+    assert leased() == []
+    assert r.hget(f"{ns}:jobs", "w:team-a") is None
 
 
 def test_sigterm_stops_a_run_while_a_template_spins(fresh_sim, db, tmp_path):
