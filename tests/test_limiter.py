@@ -336,6 +336,33 @@ def test_a_spent_window_holds_every_grant_until_its_reset(redis_url, namespace):
     run(main())
 
 
+def test_a_windows_remaining_does_not_free_the_slots_granted_before_its_reset(
+    redis_url, namespace
+):
+    """A window's remaining counts what it admitted. Slots granted before its reset and not yet
+    due are not in it: an answer that says 10 left, while 4 slots are granted ahead, leaves 6
+    (as another process's answer would say it, overwriting the count its grants took off)."""
+
+    async def main():
+        client, one = _limiter(redis_url, namespace, rpm=600)  # 10/s, no burst
+        _, two = _limiter(redis_url, namespace, rpm=600)  # another process of the job
+        answered = await one.acquire(0)
+        await one.settle(answered, view={"rem_r": 10, "reset_r": 3000})
+        reset = time.time() + 3.0
+        sends = []
+        for _ in range(4):  # granted ahead (0.1-0.4 s), none sent yet
+            sends.append(time.time() + (await two.acquire(0)).wait_s)
+        await one.settle(answered, view={"rem_r": 10, "reset_r": 2950})
+        for _ in range(7):
+            sends.append(time.time() + (await one.acquire(0)).wait_s)
+        shown = [round(t - reset + 3, 2) for t in sends]
+        assert sum(t < reset - 0.2 for t in sends) == 10, shown
+        assert sends[-1] > reset - 0.1, shown
+        await client.aclose()
+
+    run(main())
+
+
 def test_the_burst_grows_to_the_providers_bucket_and_shrinks_on_a_429(redis_url, namespace):
     async def main():
         client, lim = _limiter(redis_url, namespace, tpm=60_000, burst_s=0.5)  # 1000/s

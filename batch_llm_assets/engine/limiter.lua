@@ -56,11 +56,17 @@ end
 rates()
 
 -- The minute ledgers: what was granted in the last 60 s (and ahead), for the ceiling.
+local function total(key, from, to)
+  local sum, all = 0, redis.call('ZRANGEBYSCORE', key, from, to)
+  for _, m in ipairs(all) do sum = sum + tonumber(string.match(m, ':(.+)$')) end
+  return sum, #all
+end
 local function trim(key, sum)
-  local old = redis.call('ZRANGEBYSCORE', key, '-inf', now - 60000 - lo)
-  for i = 1, #old do sum = sum - tonumber(string.match(old[i], ':(.+)$')) end
-  if #old > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', now - 60000 - lo) end
-  return sum
+  local old, count = total(key, '-inf', now - 60000 - lo)
+  -- Only when there is something to drop: after a first write a script may write on past a
+  -- server's maxmemory (an out-of-memory server must refuse the acquire).
+  if count > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', now - 60000 - lo) end
+  return sum - old
 end
 sr, stk = trim(KEYS[5], sr), trim(KEYS[6], stk)
 local function note(slot, dr, dtk)
@@ -139,9 +145,14 @@ if op == 'settle' then
     wider, b = cap >= math.max(num('wider') * b, b + num('step_ms')), cap
   end
   if a.rem_r or a.rem_t or restart then hold(now, wider or restart) end
-  -- A window: what it has left holds every process's grants until its reset (acquire).
+  -- A window: what it has left holds every process's grants until its reset (acquire). Its
+  -- remaining counts what it admitted, not the slots granted before its reset and not yet due.
   for d, w in pairs(win) do
-    if a['reset_' .. d] then w[1], w[2] = now + num('reset_' .. d), num('rem_' .. d) end
+    if a['reset_' .. d] then
+      w[1] = now + num('reset_' .. d)
+      local ledger = KEYS[d == 'r' and 5 or 6]
+      w[2] = num('rem_' .. d) - total(ledger, '(' .. (now - lo), '(' .. (w[1] - lo))
+    end
   end
   return reply(1, now, 1, 0)
 end
