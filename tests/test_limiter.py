@@ -336,9 +336,7 @@ def test_a_spent_window_holds_every_grant_until_its_reset(redis_url, namespace):
     run(main())
 
 
-def test_a_windows_remaining_does_not_free_the_slots_granted_before_its_reset(
-    redis_url, namespace
-):
+def test_a_windows_remaining_does_not_free_the_slots_granted_before_its_reset(redis_url, namespace):
     """A window's remaining counts what it admitted. Slots granted before its reset and not yet
     due are not in it: an answer that says 10 left, while 4 slots are granted ahead, leaves 6
     (as another process's answer would say it, overwriting the count its grants took off)."""
