@@ -185,6 +185,31 @@ async def _until(condition) -> None:
         await asyncio.sleep(0.01)
 
 
+def test_a_gate_closes_when_its_heartbeats_cancel_is_lost_inside_a_redis_call(valkey_url):
+    """Closing stops the lease's heartbeat. A cancel that meets it inside a Redis call is lost
+    (redis-py sends through Python 3.11's wait_for, which can drop it: cancel.py): the heartbeat
+    then renewed the lease for ever, and close(), a run's last step, never returned (CI hung
+    on it once). A 3 ms lease keeps the heartbeat inside Redis calls; the first close hung on
+    every try before the fix."""
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        try:
+            for i in range(20):
+                gate = ConcurrencyGate(
+                    max_concurrency=4, client=client, namespace=f"t:{{close-{i}}}", lease_ms=3
+                )
+                await gate.acquire()  # starts the heartbeat
+                await asyncio.sleep(0.001 * (i % 10))
+                closing = asyncio.ensure_future(gate.close())
+                done, _ = await asyncio.wait({closing}, timeout=10)  # a bound, not a timing
+                assert done, f"close {i} never returned"
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
 _HOLDER = textwrap.dedent(
     """
     import asyncio, sys

@@ -38,6 +38,7 @@ from redis import exceptions as rx
 from . import _constants as C
 from . import errors as E
 from .adaptive import Limit, Window, check_concurrency
+from .cancel import cancel_and_wait
 from .usage import parse_limits
 
 log = logging.getLogger(__name__)
@@ -256,8 +257,6 @@ class _Shared:
             await self.call("renew")
 
     async def close(self) -> None:
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
+        if self._beat is not None:  # a cancel inside a Redis call can be lost (cancel.py)
+            await cancel_and_wait((self._beat,))
         await self.call("leave")
