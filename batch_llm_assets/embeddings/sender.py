@@ -145,7 +145,7 @@ class EmbeddingSender:
             slot = await self._slot(items, st, deadline)
             if isinstance(slot, list):
                 return slot
-            grant, reserve = slot
+            grant = slot
             t = eng.s.request_timeout_s
             timeout = eng.gate.timeout(t) if eng.gate else t
             if deadline is not None:
@@ -175,7 +175,6 @@ class EmbeddingSender:
                 eng.pacer.answered(
                     grant,
                     estimate=st.estimate,
-                    reserve=reserve,
                     max_tokens=0,
                     resp=answer,  # type: ignore[arg-type]  (its usage and headers)
                     mark=mark,
@@ -185,11 +184,11 @@ class EmbeddingSender:
 
     async def _slot(
         self, items: list[EmbedItem], st: _State, deadline: float | None
-    ) -> tuple[Grant, int] | list[EmbeddingResult]:
-        """(grant, tokens reserved) of a slot to send on now, or the rows' final results."""
+    ) -> Grant | list[EmbeddingResult]:
+        """A slot to send on now, or the rows' final results."""
         eng = self.engine
         if eng.pacer is None:
-            return _FREE, st.estimate
+            return _FREE
         ceiling = eng.limiter.max_request_tokens if eng.limiter is not None else None
         if ceiling and st.estimate > ceiling:
             return self._failed(
@@ -199,10 +198,9 @@ class EmbeddingSender:
                 f"the pack is about {st.estimate} tokens, more "
                 f"than the tokens/min limit of {ceiling} can ever admit; not sent",
             )
-        reserve = eng.pacer.reservation(st.estimate, 0)
         before = time.monotonic()
         try:
-            grant = await eng.pacer.slot(reserve, deadline)
+            grant = await eng.pacer.slot(st.estimate, 0, deadline)
         except E.LimiterError as exc:
             return self._failed(items, st, exc.error_class, str(exc.description))
         st.waited += time.monotonic() - before
@@ -211,7 +209,7 @@ class EmbeddingSender:
         if eng.breaker.reason or (deadline is not None and time.monotonic() >= deadline):
             await eng.pacer.give_back(grant)
             return self._stopped(items, st) if eng.breaker.reason else self._deadline(items, st)
-        return grant, reserve
+        return grant
 
     async def _on_error(
         self,

@@ -218,13 +218,11 @@ class Engine:
             return await self._attempt_once(req, body, max_tokens, deadline, st)
 
     async def _attempt_once(self, req, body, max_tokens, deadline, st: Attempts):
-        reserve = st.estimate
         grant = _FREE
         if self.pacer is not None:
-            reserve = self.pacer.reservation(st.estimate, max_tokens)
             before = time.monotonic()
             try:
-                got = await self.pacer.slot(reserve, deadline)
+                got = await self.pacer.slot(st.estimate, max_tokens, deadline)
             except E.LimiterError as exc:
                 return st.failed(req, exc.error_class, str(exc.description))
             st.waited += time.monotonic() - before
@@ -265,7 +263,6 @@ class Engine:
             self.pacer.answered(
                 grant,
                 estimate=st.estimate,
-                reserve=reserve,
                 max_tokens=max_tokens,
                 resp=resp,
                 mark=mark,

@@ -45,20 +45,22 @@ class Pacer:
         ongoing = time.monotonic() - self._wait_since if self._waiters else 0.0
         return self._wait_total + ongoing
 
-    async def slot(self, reserve: int, deadline: float | None) -> Grant | None:
-        """A slot to send `reserve` tokens on now, or None if the deadline would pass first."""
+    async def slot(self, estimate: int, max_tokens: int, deadline: float | None) -> Grant | None:
+        """A slot to send on now, or None if the deadline would pass first. Each slot, a fresh
+        one too, reserves the request at the calibration learnt by then (`Grant.tokens`): the
+        slots a restart sends at once were first granted before the first answer taught it."""
         if self._waiters == 0:
             self._wait_since = time.monotonic()
         self._waiters += 1
         try:
-            return await self._slot(reserve, deadline)
+            return await self._slot(estimate, max_tokens, deadline)
         finally:
             self._waiters -= 1
             if self._waiters == 0:
                 self._wait_total += time.monotonic() - self._wait_since
 
-    async def _slot(self, reserve: int, deadline: float | None) -> Grant | None:
-        grant = await self._acquire(reserve, deadline, None)
+    async def _slot(self, estimate: int, max_tokens: int, deadline: float | None) -> Grant | None:
+        grant = await self._acquire(self.reservation(estimate, max_tokens), deadline, None)
         fresh = 0
         while True:  # sleep to the slot, or take a fresh one
             if not grant.granted or passes(deadline, grant.wait_s):
@@ -72,7 +74,7 @@ class Pacer:
             if not ((late or stale) and wakeable):
                 break
             fresh += 1
-            grant = await self._acquire(reserve, deadline, grant)
+            grant = await self._acquire(self.reservation(estimate, max_tokens), deadline, grant)
         return grant
 
     def _tolerance(self, grant: Grant) -> float:
@@ -127,7 +129,6 @@ class Pacer:
         grant: Grant,
         *,
         estimate: int,
-        reserve: int,
         max_tokens: int,
         resp: ChatResponse,
         mark: Mark,
@@ -140,7 +141,7 @@ class Pacer:
         if usage is not None:
             self.controller.calibrate(estimate, max_tokens, usage.prompt_tokens)
             answer = usage.completion_tokens if refund_unused else max_tokens
-            delta = usage.prompt_tokens + answer - reserve
+            delta = usage.prompt_tokens + answer - grant.tokens
         limits = parse_limits(resp.headers)
         view = self.controller.observe(limits, mark) if not limits.empty else None
         task = asyncio.ensure_future(self._settle(grant, delta, view))
