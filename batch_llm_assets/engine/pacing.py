@@ -60,7 +60,7 @@ class Pacer:
                 self._wait_total += time.monotonic() - self._wait_since
 
     async def _slot(self, estimate: int, max_tokens: int, deadline: float | None) -> Grant | None:
-        grant = await self._acquire(self.reservation(estimate, max_tokens), deadline, None)
+        grant = await self._acquire(estimate, max_tokens, deadline, None)
         fresh = 0
         while True:  # sleep to the slot, or take a fresh one
             if not grant.granted or passes(deadline, grant.wait_s):
@@ -74,7 +74,7 @@ class Pacer:
             if not ((late or stale) and wakeable):
                 break
             fresh += 1
-            grant = await self._acquire(self.reservation(estimate, max_tokens), deadline, grant)
+            grant = await self._acquire(estimate, max_tokens, deadline, grant)
         return grant
 
     def _tolerance(self, grant: Grant) -> float:
@@ -82,7 +82,10 @@ class Pacer:
         jitter (with no burst, every wake is a few microseconds late)."""
         return max(grant.burst_s, self.limiter.settings.burst_s, C.LEARNED_BURST_MARGIN_S)
 
-    async def _acquire(self, reserve: int, deadline: float | None, old: Grant | None) -> Grant:
+    async def _acquire(
+        self, estimate: int, max_tokens: int, deadline: float | None, old: Grant | None
+    ) -> Grant:
+        reserve = self.controller.reservation(estimate, max_tokens)
         return await self.limiter.acquire(reserve, deadline=deadline, give_back=old)
 
     async def _sleep(self, wait_s: float, wakeable: bool) -> int:
@@ -120,9 +123,6 @@ class Pacer:
     # -- answers -----------------------------------------------------------------------------
     def sent(self, estimate: int, max_tokens: int) -> Mark:
         return self.controller.on_send(estimate - max_tokens, max_tokens)
-
-    def reservation(self, estimate: int, max_tokens: int) -> int:
-        return self.controller.reservation(estimate, max_tokens)
 
     def answered(
         self,
