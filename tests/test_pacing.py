@@ -185,6 +185,36 @@ def test_a_fresh_slot_reserves_the_request_at_the_calibration_learnt_since(valke
     assert second.tokens == 100
 
 
+def test_a_request_waiting_in_line_reserves_at_the_calibration_learnt_while_it_waited(valkey_url):
+    # 100 tokens/s, no burst, nothing granted more than 0.2 s ahead: a 50-token request goes
+    # now, the next one's slot (0.5 s on) is out of reach, so it waits in the engine's line and
+    # asks again later. Meanwhile the first answer says the provider counts twice the estimate:
+    # the slot it is granted then reserves 100 tokens. Reserved at what it asked with before any
+    # answer, a slow provider's first 64 requests (up to 20 s of the line at 3 requests/s)
+    # were all short by the calibration on a provider that counts characters/4.
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        ns = f"test:line-recalibrated:{uuid.uuid4().hex}"
+        settings = LimiterSettings(tpm=6000, reach_s=0.2)
+        lim = RedisLimiter(client, namespace=ns, settings=settings)
+        pacer = Pacer(lim)
+        try:
+            first = await pacer.slot(50, 0, None)
+            second = asyncio.ensure_future(pacer.slot(50, 0, None))
+            while not lim._line.locked():
+                await asyncio.sleep(0.01)
+            pacer.controller.calibrate(50, 0, 100)
+            return first, await second
+        finally:
+            await lim.release()
+            await client.aclose()
+
+    first, second = asyncio.run(main())
+    assert first.tokens == 50
+    assert second.epoch == first.epoch  # the same schedule: no restart took a fresh slot
+    assert second.tokens == 100
+
+
 def test_another_process_s_429_reaches_the_sleepers_at_once(valkey_url):
     # Eight requests, each granted a slot at once (0.1 s apart, all within the reach), so this
     # engine has nothing more to ask Redis. Another process (its own client) gets a 429 and

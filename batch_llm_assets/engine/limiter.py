@@ -221,10 +221,16 @@ class RedisLimiter:
         return Grant(*got, granted=granted == 1, deferred=granted == 0)
 
     async def acquire(
-        self, tokens: int, *, deadline: float | None = None, give_back: Grant | None = None
+        self,
+        tokens: int | Callable[[], int],
+        *,
+        deadline: float | None = None,
+        give_back: Grant | None = None,
     ) -> Grant:
         """Reserve one request of `tokens` tokens: the wait before sending. `give_back` returns
-        an older grant's reservation in the same call (a fresh slot for a stale one).
+        an older grant's reservation in the same call (a fresh slot for a stale one). `tokens`
+        may be a function, asked at each call to Redis: a request that waits in line reserves
+        what it is known to cost by then (the pacer's calibration, learnt meanwhile).
 
         Not granted at once: a job over its share while the schedule is saturated (its own slot
         reserved, it asks again with a ticket), or a slot beyond GRANT_REACH_S (nothing
@@ -232,6 +238,7 @@ class RedisLimiter:
         wait is over. A wait past the deadline is returned as it is (not granted)."""
         if self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch())
+        size = tokens if callable(tokens) else lambda: tokens
         back: list[object] = []
         if give_back is not None and give_back.granted:
             back = ["back_slot", give_back.slot_ms, "back_epoch", give_back.epoch]
@@ -240,18 +247,18 @@ class RedisLimiter:
         # Others of this engine wait for the reach: it goes behind them, unless it trades a
         # stale slot (it was ahead of them).
         if back or not self._line.locked():
-            grant = await self._ask(tokens, ticket, back)
+            grant = await self._ask(size, ticket, back)
         while grant is None or not (grant.granted or passes(deadline, grant.wait_s)):
             if grant is not None and grant.deferred:
                 # Held to its share, its own slot is reserved: it sleeps to it out of the line.
                 await asyncio.sleep(grant.wait_s)
-                grant, ticket = await self._ask(tokens, 1, []), 1
+                grant, ticket = await self._ask(size, 1, []), 1
                 continue
-            grant = await self._wait_in_line(tokens, ticket, grant, deadline)
+            grant = await self._wait_in_line(size, ticket, grant, deadline)
         return grant
 
     async def _wait_in_line(
-        self, tokens: int, ticket: int, grant: Grant | None, deadline: float | None
+        self, size: Callable[[], int], ticket: int, grant: Grant | None, deadline: float | None
     ) -> Grant:
         """The line's head alone sleeps and asks again, until a slot within the reach is granted
         (or it is deferred for its share, or too late): one call per grant, not one per waiter."""
@@ -259,12 +266,13 @@ class RedisLimiter:
         async with self._line:
             while True:
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
-                grant = await self._ask(tokens, ticket, [])
+                grant = await self._ask(size, ticket, [])
                 if grant.granted or grant.deferred or passes(deadline, grant.wait_s):
                     return grant
                 due = time.monotonic() + grant.wait_s
 
-    async def _ask(self, tokens: int, ticket: int, back: list[object]) -> Grant:
+    async def _ask(self, size: Callable[[], int], ticket: int, back: list[object]) -> Grant:
+        tokens = size()
         grant = await self._call("acquire", *self._acquire_args(tokens, ticket), *back)
         if grant.granted:
             self._horizon = max(self._horizon, time.monotonic() + grant.wait_s)

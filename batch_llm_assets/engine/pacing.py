@@ -47,8 +47,9 @@ class Pacer:
 
     async def slot(self, estimate: int, max_tokens: int, deadline: float | None) -> Grant | None:
         """A slot to send on now, or None if the deadline would pass first. Each slot, a fresh
-        one too, reserves the request at the calibration learnt by then (`Grant.tokens`): the
-        slots a restart sends at once were first granted before the first answer taught it."""
+        one too or one granted after a wait in the limiter's line, reserves the request at the
+        calibration learnt by then (`Grant.tokens`): the slots a restart sends at once, and a
+        slow provider's line, were first asked for before the first answer taught it."""
         if self._waiters == 0:
             self._wait_since = time.monotonic()
         self._waiters += 1
@@ -85,7 +86,9 @@ class Pacer:
     async def _acquire(
         self, estimate: int, max_tokens: int, deadline: float | None, old: Grant | None
     ) -> Grant:
-        reserve = self.controller.reservation(estimate, max_tokens)
+        def reserve() -> int:  # asked again by a request that waits in the limiter's line
+            return self.controller.reservation(estimate, max_tokens)
+
         return await self.limiter.acquire(reserve, deadline=deadline, give_back=old)
 
     async def _sleep(self, wait_s: float, wakeable: bool) -> int:

@@ -242,10 +242,10 @@ class MeteredLimiter(RedisLimiter):
 
     metrics: QueueMetrics | None = None
 
-    async def acquire(self, tokens: int, **kwargs) -> Grant:
+    async def acquire(self, tokens, **kwargs) -> Grant:
         grant = await super().acquire(tokens, **kwargs)
         if self.metrics is not None:
-            self.metrics.record_grant(grant, tokens)
+            self.metrics.record_grant(grant, grant.tokens)
         return grant
 
     async def penalize(self, grant: Grant, *, retry_after_s: float | None) -> None:
