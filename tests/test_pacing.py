@@ -186,16 +186,16 @@ def test_a_fresh_slot_reserves_the_request_at_the_calibration_learnt_since(valke
 
 
 def test_a_request_waiting_in_line_reserves_at_the_calibration_learnt_while_it_waited(valkey_url):
-    # 100 tokens/s, no burst, nothing granted more than 0.2 s ahead: a 50-token request goes
-    # now, the next one's slot (0.5 s on) is out of reach, so it waits in the engine's line and
-    # asks again later. Meanwhile the first answer says the provider counts twice the estimate:
+    # 50 tokens/s, no burst, nothing granted more than 0.2 s ahead: a 50-token request goes
+    # now, the next one's slot (1 s on) is out of reach, so it waits in the engine's line and
+    # asks again 0.8 s later. Meanwhile the first answer says the provider counts twice the estimate:
     # the slot it is granted then reserves 100 tokens. Reserved at what it asked with before any
     # answer, a slow provider's first 64 requests (up to 20 s of the line at 3 requests/s)
     # were all short by the calibration on a provider that counts characters/4.
     async def main():
         client = aioredis.Redis.from_url(valkey_url)
         ns = f"test:line-recalibrated:{uuid.uuid4().hex}"
-        settings = LimiterSettings(tpm=6000, reach_s=0.2)
+        settings = LimiterSettings(tpm=3000, reach_s=0.2)
         lim = RedisLimiter(client, namespace=ns, settings=settings)
         pacer = Pacer(lim)
         try:
