@@ -156,30 +156,40 @@ def test_a_429_heard_by_a_request_in_line_wakes_the_sleepers(valkey_url):
     assert not stale, stale
 
 
+def _second_slot_after_a_calibration(valkey_url, settings, *, restart: bool):
+    """Two 50-token requests; while the second waits (asleep on its slot, or in the limiter's
+    line), the first answer says the provider counts twice the estimate; `restart`: a 429 then
+    restarts the schedule. Returns both grants."""
+
+    async def main():
+        client = aioredis.Redis.from_url(valkey_url)
+        ns = f"test:recalibrated:{uuid.uuid4().hex}"
+        lim = RedisLimiter(client, namespace=ns, settings=settings)
+        pacer = Pacer(lim)
+        try:
+            first = await pacer.slot(50, 0, None)
+            second = asyncio.ensure_future(pacer.slot(50, 0, None))
+            while not (pacer._sleepers if restart else lim._line.locked()):
+                await asyncio.sleep(0.01)
+            pacer.controller.calibrate(50, 0, 100)
+            if restart:
+                await lim.penalize(first, retry_after_s=None)
+            return first, await second
+        finally:
+            await lim.release()
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
 def test_a_fresh_slot_reserves_the_request_at_the_calibration_learnt_since(valkey_url):
     # 100 tokens/s, no burst: a 50-token request goes now, the next one's slot is 0.5 s on and
     # it sleeps. Then the first answer says the provider counts twice the estimate, and a 429
     # restarts the schedule: the sleeper takes a fresh slot, reserved at that calibration. With
     # its first reservation kept, the slots a restart grants at once (seed 4 #7: a burst of 47
     # requests first granted before any answer) were a quarter short and overran the bucket.
-    async def main():
-        client = aioredis.Redis.from_url(valkey_url)
-        ns = f"test:recalibrated:{uuid.uuid4().hex}"
-        lim = RedisLimiter(client, namespace=ns, settings=LimiterSettings(tpm=6000))
-        pacer = Pacer(lim)
-        try:
-            first = await pacer.slot(50, 0, None)
-            second = asyncio.ensure_future(pacer.slot(50, 0, None))
-            while not pacer._sleepers:
-                await asyncio.sleep(0.01)
-            pacer.controller.calibrate(50, 0, 100)
-            await lim.penalize(first, retry_after_s=None)
-            return first, await second
-        finally:
-            await lim.release()
-            await client.aclose()
-
-    first, second = asyncio.run(main())
+    settings = LimiterSettings(tpm=6000)
+    first, second = _second_slot_after_a_calibration(valkey_url, settings, restart=True)
     assert first.tokens == 50
     assert second.epoch > first.epoch  # a fresh slot, of the restarted schedule
     assert second.tokens == 100
@@ -188,28 +198,12 @@ def test_a_fresh_slot_reserves_the_request_at_the_calibration_learnt_since(valke
 def test_a_request_waiting_in_line_reserves_at_the_calibration_learnt_while_it_waited(valkey_url):
     # 50 tokens/s, no burst, nothing granted more than 0.2 s ahead: a 50-token request goes
     # now, the next one's slot (1 s on) is out of reach, so it waits in the engine's line and
-    # asks again 0.8 s later. Meanwhile the first answer says the provider counts twice the estimate:
-    # the slot it is granted then reserves 100 tokens. Reserved at what it asked with before any
-    # answer, a slow provider's first 64 requests (up to 20 s of the line at 3 requests/s)
-    # were all short by the calibration on a provider that counts characters/4.
-    async def main():
-        client = aioredis.Redis.from_url(valkey_url)
-        ns = f"test:line-recalibrated:{uuid.uuid4().hex}"
-        settings = LimiterSettings(tpm=3000, reach_s=0.2)
-        lim = RedisLimiter(client, namespace=ns, settings=settings)
-        pacer = Pacer(lim)
-        try:
-            first = await pacer.slot(50, 0, None)
-            second = asyncio.ensure_future(pacer.slot(50, 0, None))
-            while not lim._line.locked():
-                await asyncio.sleep(0.01)
-            pacer.controller.calibrate(50, 0, 100)
-            return first, await second
-        finally:
-            await lim.release()
-            await client.aclose()
-
-    first, second = asyncio.run(main())
+    # asks again 0.8 s later. Meanwhile the first answer says the provider counts twice the
+    # estimate: the slot it is granted then reserves 100 tokens. Reserved at what it asked
+    # with before any answer, a slow provider's first 64 requests (up to 20 s of the line at 3
+    # requests/s) were all short by the calibration on a provider that counts characters/4.
+    settings = LimiterSettings(tpm=3000, reach_s=0.2)
+    first, second = _second_slot_after_a_calibration(valkey_url, settings, restart=False)
     assert first.tokens == 50
     assert second.epoch == first.epoch  # the same schedule: no restart took a fresh slot
     assert second.tokens == 100
