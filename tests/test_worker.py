@@ -337,6 +337,7 @@ def test_metrics_endpoint_exposes_llm_d_and_limiter_names(fresh_sim, valkey_url,
     assert value("batch_llm_worker_tokens_total", ("direction", "input")) > 0
     assert value("batch_llm_worker_tokens_total", ("direction", "output")) > 0
     assert value("batch_llm_worker_limiter_grants_total") == 1
+    assert value("batch_llm_worker_limiter_granted_tokens_total") > 0  # the grant's reservation
     assert value("batch_llm_worker_limiter_wait_seconds_count") == 1
     assert samples[("llm_d_async_async_pool_worker_limit", (("pool_name", "default"),))] == 8
     exposed = {name for name, _ in samples}

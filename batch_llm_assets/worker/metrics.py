@@ -7,6 +7,7 @@ its Grafana dashboard and alerts work unchanged; ours are `batch_llm_worker_*`.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -228,10 +229,10 @@ class QueueMetrics:
             self.http_429.inc(result.http_429)
             self.shedded.inc(result.http_429)
 
-    def record_grant(self, grant: Grant, tokens: int) -> None:
+    def record_grant(self, grant: Grant) -> None:
         if grant.granted:
             self.grants.inc()
-            self.granted_tokens.inc(tokens)
+            self.granted_tokens.inc(grant.tokens)
             self.limiter_wait.observe(grant.wait_s)
         self.slowdown.set(grant.factor)
         self.share.set(grant.share)
@@ -242,10 +243,10 @@ class MeteredLimiter(RedisLimiter):
 
     metrics: QueueMetrics | None = None
 
-    async def acquire(self, tokens, **kwargs) -> Grant:
+    async def acquire(self, tokens: int | Callable[[], int], **kwargs) -> Grant:
         grant = await super().acquire(tokens, **kwargs)
         if self.metrics is not None:
-            self.metrics.record_grant(grant, grant.tokens)
+            self.metrics.record_grant(grant)
         return grant
 
     async def penalize(self, grant: Grant, *, retry_after_s: float | None) -> None:
