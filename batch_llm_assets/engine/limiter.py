@@ -184,12 +184,6 @@ class RedisLimiter:
                 setattr(self, name, believed)
         return fell
 
-    @property
-    def wider_step_s(self) -> float:
-        """How much a burst must grow to count as wider (the schedule restarts, the sleepers
-        wake): BURST_WIDER_STEP_S, or the configured burst if that is more."""
-        return max(self.settings.burst_s, C.BURST_WIDER_STEP_S)
-
     def _common(self) -> list[object]:
         ahead = max(0.0, (self._horizon - time.monotonic()) * 1000)
         return [
@@ -302,7 +296,8 @@ class RedisLimiter:
         fell so the slots granted at the old one are taken again; see controller.py)."""
         named: list[object] = ["slot", grant.slot_ms, "epoch", grant.epoch]
         named += ["tokens", tokens, "requests", requests]
-        named += ["max_burst_ms", C.MAX_LEARNED_BURST_S * 1000, "step_ms", self.wider_step_s * 1000]
+        step_s = max(self.settings.burst_s, C.BURST_WIDER_STEP_S)
+        named += ["max_burst_ms", C.MAX_LEARNED_BURST_S * 1000, "step_ms", step_s * 1000]
         for k, v in (view or {}).items():
             named += [k, v]
         if tokens or requests or view:

@@ -30,8 +30,7 @@ class Pacer:
         self.limiter = limiter
         self.controller = Controller(limiter)
         self._sleepers: set[asyncio.Future[int]] = set()
-        self._epoch = 0  # the newest overload epoch this engine has seen
-        self._burst_s = limiter.settings.burst_s  # the burst at the latest wake
+        self._epoch = 0  # the newest epoch this engine has seen
         self._feedback: set[asyncio.Task[None]] = set()
         limiter.on_reply = self._after_reply
         self._waiters = 0
@@ -107,21 +106,14 @@ class Pacer:
             self._sleepers.discard(woken)
 
     def _after_reply(self) -> None:
-        """On every reply of the limiter: wake the sleepers when their slots went stale (a newer
-        overload epoch, or a burst that widened, as limiter.lua tells a wider one, since the
-        last wake). Every reply, not only a grant's: a request waiting in line hears of another
-        process's 429 first, and the sleepers must not send on the old schedule meanwhile."""
-        lim = self.limiter
-        widened = lim.burst_s >= max(
-            C.BURST_WIDER_RATIO * self._burst_s, self._burst_s + lim.wider_step_s
-        )
-        if lim.epoch > self._epoch or widened:
-            self._epoch = max(self._epoch, lim.epoch)
-            self._burst_s = lim.burst_s
+        """On every reply of the limiter: wake the sleepers when their slots went stale, at a
+        new epoch (limiter.lua starts one at a 429 and at a burst that widened). Every reply,
+        not only a grant's: a request waiting in line hears of another process's 429 first, and
+        the sleepers must not send on the old schedule meanwhile."""
+        if self.limiter.epoch > self._epoch:
+            self._epoch = self.limiter.epoch
             for woken in list(self._sleepers):
                 _resolve(woken, _STALE)
-        elif lim.burst_s < self._burst_s:
-            self._burst_s = lim.burst_s
 
     # -- answers -----------------------------------------------------------------------------
     def sent(self, estimate: int, max_tokens: int) -> Mark:
