@@ -617,3 +617,31 @@ def test_requests_waiting_for_the_reach_go_at_the_rate_in_force_when_they_are_gr
 
     slots = sorted(g.slot_ms for g in run(main()))
     assert slots[-1] - slots[0] < 3_000, slots
+
+
+def test_share_slack_used_in_a_lull_is_forgiven_beyond_a_second(redis_url, namespace):
+    """Two jobs of weight 1 on a key with room to spare: `a` sends 0.83 of the limit, more than
+    its half share, `b` enough not to count as idle. Nothing is saturated, so nothing holds `a`
+    back, but its own schedule runs ahead of the clock at 1/share per request. When the key
+    saturates, `a` is held to its share from there: without LULL_FORGIVE_MS its schedule is
+    seconds ahead (every lull request it sent counted twice), and it would wait out all of it
+    while `b` takes the key."""
+    settings = {"tpm": 600_000}  # 10,000 tokens/s: 5,000 is half a second of the schedule
+
+    async def main():
+        client, a = _limiter(redis_url, namespace, job="a", **settings)
+        _, b = _limiter(redis_url, namespace, job="b", **settings)
+        for _ in range(8):  # the lull: each a's request ends before the next cycle starts
+            await b.give_back(await b.acquire(2_500))  # b's use counts; the key keeps its room
+            grant = await a.acquire(5_000, deadline=time.monotonic())
+            assert grant.granted and grant.wait_s < 0.1, grant  # never saturated, never held
+            await asyncio.sleep(0.6)
+        await b.acquire(5_000)  # the key saturates: b's slot runs half a second ahead
+        held = await a.acquire(5_000, deadline=time.monotonic())
+        await client.aclose()
+        return held
+
+    held = run(main())
+    # At most the second forgiven at its last lull request, less the 0.6 s since (0.4 s): not
+    # the 3.2 s its schedule had run ahead over the lull.
+    assert held.wait_s < 1.2, held
