@@ -368,10 +368,14 @@ def test_the_burst_grows_to_the_providers_bucket_and_shrinks_on_a_429(redis_url,
         # A minute-long bucket, nearly full: the burst grows (and the schedule restarts).
         await lim.settle(grant, view={"cap_ms": 54_000, "rem_t": 59_000})
         assert lim.burst_s == pytest.approx(54, abs=0.01) and lim.epoch == grant.epoch + 1
-        waits = [(await lim.acquire(1000)).wait_s for _ in range(40)]
-        assert max(waits) == 0  # 40k tokens at once (the configured burst is 500)
+        burst = [await lim.acquire(1000) for _ in range(40)]
+        assert max(g.wait_s for g in burst) == 0  # 40k tokens at once (the configured burst is 500)
         last = await lim.acquire(1000)
         await lim.penalize(last, retry_after_s=None)
+        assert lim.burst_s == pytest.approx(0.5)
+        # The answer of a request sent before the 429: its headers show the bucket as it was
+        # then, nearly full. They do not widen the burst again.
+        await lim.settle(burst[0], view={"cap_ms": 54_000, "rem_t": 50_000})
         assert lim.burst_s == pytest.approx(0.5)
         # Paced from now at the slowed rate, not a minute of schedule to wait out.
         assert (await lim.acquire(1000)).wait_s < 2.0
