@@ -306,24 +306,28 @@ def test_the_providers_remaining_caps_what_is_promised(redis_url, namespace):
     run(main())
 
 
-def test_a_spent_window_holds_every_grant_until_its_reset(redis_url, namespace):
-    """A window the provider enforces (its answer says: 2 left, reset in 2 s): the grants of
-    every process come out of what it has left; the third goes at the reset, not before, and
-    what waited goes out paced from there (the window was spent, so was the burst: a burst of
-    5 at the reset on top of the pace would overrun a short window)."""
+@pytest.mark.parametrize(
+    ("dim", "limit", "cost"), [("r", {"rpm": 600}, 0), ("t", {"tpm": 60_000}, 100)]
+)
+def test_a_spent_window_holds_every_grant_until_its_reset(redis_url, namespace, dim, limit, cost):
+    """A window the provider enforces (its answer says: 2 requests, or 2 requests' tokens, left,
+    reset in 2 s): the grants of every process come out of what it has left; the third goes at
+    the reset, not before, and what waited goes out paced from there (the window was spent, so
+    was the burst: a burst of 5 at the reset on top of the pace would overrun a short window).
+    Either limit: 10 requests/s."""
 
     async def main():
-        client, one = _limiter(redis_url, namespace, rpm=600, burst_s=0.5, job="one")  # 10/s
-        _, two = _limiter(redis_url, namespace, rpm=600, burst_s=0.5, job="two")
-        grant = await one.acquire(0)
+        client, one = _limiter(redis_url, namespace, **limit, burst_s=0.5, job="one")
+        _, two = _limiter(redis_url, namespace, **limit, burst_s=0.5, job="two")
+        grant = await one.acquire(cost)
         before = time.time()
-        await one.settle(grant, view={"rem_r": 2, "reset_r": 2000})
+        await one.settle(grant, view={f"rem_{dim}": 2 * max(1, cost), f"reset_{dim}": 2000})
         after = time.time()
         # Granted send times, counted from the settle: a wait is relative to its own acquire,
         # and on a busy host the acquires before it take a visible part of the 2 s.
         waits, sends = [], []
         for lim in (one, two) * 4:
-            waits.append((await lim.acquire(0)).wait_s)
+            waits.append((await lim.acquire(cost)).wait_s)
             sends.append(time.time() + waits[-1])
         shown = [round(t - before, 3) for t in sends]
         assert waits[0] < 0.3 and waits[1] < 0.3, waits
