@@ -535,6 +535,24 @@ def test_what_was_sent_after_a_request_comes_off_the_remaining_its_answer_shows(
     assert view["cap_ms"] == pytest.approx(650 - 100)
 
 
+def test_what_was_sent_after_a_request_comes_off_at_the_providers_own_count():
+    # The provider counts 1.5 prompt tokens per estimated one (characters/4, another
+    # tokenizer). The four sends after the answered one went out before any answer taught it:
+    # they come off its remaining at 1.5 too, or the schedule would promise a third too much.
+    from batch_llm_assets.engine.controller import Controller
+    from batch_llm_assets.engine.usage import ProviderLimits
+
+    lim = RedisLimiter(aioredis.Redis(), namespace="t:{x}", settings=LimiterSettings(tpm=60_000))
+    ctl = Controller(lim)
+    ctl._dims[1].bucket = True
+    mark = ctl.on_send(60, 40)
+    for _ in range(4):
+        ctl.on_send(100, 40)
+    ctl.calibrate(140, 40, usage_prompt=150)  # the answer: 150 prompt tokens for 100 estimated
+    view = ctl.observe(ProviderLimits(remaining_tokens=2000, reset_tokens_s=1.0), mark)
+    assert view["rem_t"] == 2000 - 4 * (150 + 40)
+
+
 def test_a_slowdown_does_not_widen_the_burst_learned_from_a_bucket():
     # After 429s the factor paces the sends slower; the provider's bucket is no larger. Counted
     # in seconds of the slowed rate, the burst grew with each cut (x0.5: twice as wide) and its

@@ -13,7 +13,8 @@ import redis
 import redis.asyncio as aioredis
 
 from batch_llm_assets import ChatRequest, LLMResource
-from batch_llm_assets.engine import LimiterSettings, RedisLimiter
+from batch_llm_assets.engine import Grant, LimiterSettings, RedisLimiter
+from batch_llm_assets.engine import _constants as C
 from batch_llm_assets.engine.pacing import Pacer
 
 from .conftest import SIM_KEY
@@ -247,6 +248,43 @@ def test_another_process_s_429_reaches_the_sleepers_at_once(valkey_url):
     ]
     # At most one: a slot due in the instant between the script and the message.
     assert len(stale) <= 1, stale
+
+
+def test_a_request_takes_two_fresh_slots_at_most_however_often_the_schedule_restarts(valkey_url):
+    # Another process's 429s come one after another, each with a half-second hint: each restarts
+    # the schedule past a new pause and wakes this engine's sleepers. A request takes a fresh
+    # slot MAX_FRESH_SLOTS times at most, then sleeps to the one it holds and is sent: it is not
+    # asked again at every restart for as long as the storm lasts.
+    async def main():
+        client, other_client = (aioredis.Redis.from_url(valkey_url) for _ in range(2))
+        ns = f"test:fresh-cap:{uuid.uuid4().hex}"
+        settings = LimiterSettings(rpm=600, reach_s=1.0)
+        lim = RedisLimiter(client, namespace=ns, settings=settings, job="a")
+        other = RedisLimiter(other_client, namespace=ns, settings=settings, job="b")
+        pacer = Pacer(lim)
+        acquire, asks = lim.acquire, []
+
+        async def counted(*args, **kwargs):  # a spy: the real acquire, counted
+            asks.append(time.monotonic())
+            return await acquire(*args, **kwargs)
+
+        lim.acquire = counted  # type: ignore[method-assign]
+        sending = asyncio.create_task(pacer.slot(1, 0, None))
+        restarts = 0
+        while not sending.done() and restarts < 30:
+            await other.penalize(Grant(0.0, epoch=2**52), retry_after_s=0.5)
+            restarts += 1
+            await asyncio.sleep(0.1)
+        await sending
+        async with asyncio.timeout(5):
+            await lim.release()
+        for c in (client, other_client):
+            await c.aclose()
+        return len(asks), restarts
+
+    asks, restarts = asyncio.run(main())
+    assert asks <= 1 + C.MAX_FRESH_SLOTS, (asks, restarts)
+    assert restarts < 30  # sent while the restarts went on
 
 
 def test_a_redis_user_without_channel_rights_still_gets_its_grants(valkey_url, caplog):
