@@ -162,15 +162,12 @@ if op == 'penalize' then
   -- belongs to the event that restarted the schedule since. The restart empties the burst:
   -- what comes next goes out paced from the pause's end.
   if num('pause_ms') > 0 then pause = math.max(pause, now + num('pause_ms')) end
-  local from = math.max(now, pause)
   if num('epoch') >= ep then
     fp, f0, ft = factor, math.max(minf, factor * num('decrease')), now
     factor, b = f0, base
     rates()
-    hold(from, true)
+    hold(math.max(now, pause), true)
   end
-  if ur > 0 then tr = math.max(tr, from + base) end
-  if ut > 0 then tt = math.max(tt, from + base) end
   return reply(1, now, 1, 0)
 end
 

@@ -70,8 +70,7 @@ class Pacer:
             wakeable = fresh < C.MAX_FRESH_SLOTS  # out of fresh slots: it sleeps to its slot
             how = await self._sleep(grant.wait_s, wakeable) if grant.wait_s > 0 else _DUE
             late = time.monotonic() - due > self._tolerance(grant)
-            stale = how == _STALE or grant.epoch < self._epoch
-            if not ((late or stale) and wakeable):
+            if not ((late or how == _STALE) and wakeable):
                 break
             fresh += 1
             grant = await self._acquire(estimate, max_tokens, deadline, grant)
