@@ -127,9 +127,8 @@ GRANT_REACH_S = 1.0
 MAX_FRESH_SLOTS = 2
 # Bucket or window (controller.py), over a draw of WINDOW_EVIDENCE_S of the rate between two
 # answers: a reset that grew by half the draw or more shows a bucket (its capacity may then widen
-# the burst); one that did not is a vote for a window; WINDOW_VOTES votes make it one.
+# the burst); one that fell by half the draw shows a window.
 WINDOW_EVIDENCE_S = 0.25
-WINDOW_VOTES = 2
 # A spent window's grants wait until this long after its reset (the send's way there, and the
 # reset read against our clock from the send's time).
 WINDOW_RESET_MARGIN_S = 0.02

@@ -34,8 +34,7 @@ class _Dim:
     """Requests or tokens: the provider's kind (bucket or window) and its latest state."""
 
     bucket: bool = False  # its reset grew as it was drawn down: its capacity is real
-    window: bool = False  # WINDOW_VOTES draws saw its reset count down: for the engine's life
-    votes: int = 0
+    window: bool = False  # a draw saw its reset count down: for the engine's life
     anchor: tuple[float, float] | None = None  # (remaining, reset) of an earlier answer
     reset_max: float = 0.0  # the longest reset seen: a window is at least that long
     capacity: bool = False  # a window whose x-ratelimit-limit is its quota: for the engine's life
@@ -65,8 +64,7 @@ class _Dim:
         if reset_s - a[1] >= drawn_s / 2:
             self.bucket = True
         elif a[1] - reset_s >= drawn_s / 2:
-            self.votes += 1
-            self.window = self.window or self.votes >= C.WINDOW_VOTES
+            self.window = True
         self.anchor = (remaining, reset_s)
 
 
