@@ -210,17 +210,31 @@ def test_a_request_waiting_in_line_reserves_at_the_calibration_learnt_while_it_w
     assert second.tokens == 100
 
 
+def _this_and_another_process(valkey_url: str) -> tuple[RedisLimiter, RedisLimiter]:
+    """Two engines' limiters on one key, each with its own client (two processes), 10/s."""
+    ns = f"test:two-processes:{uuid.uuid4().hex}"
+    settings = LimiterSettings(rpm=600, reach_s=1.0)
+    return tuple(  # type: ignore[return-value]
+        RedisLimiter(aioredis.Redis.from_url(valkey_url), namespace=ns, settings=settings, job=j)
+        for j in ("a", "b")
+    )
+
+
+async def _close(*limiters: RedisLimiter) -> None:
+    async with asyncio.timeout(5):  # the listener stops with the engine
+        for lim in limiters:
+            await lim.release()
+    for lim in limiters:
+        await lim._redis.aclose()
+
+
 def test_another_process_s_429_reaches_the_sleepers_at_once(valkey_url):
     # Eight requests, each granted a slot at once (0.1 s apart, all within the reach), so this
     # engine has nothing more to ask Redis. Another process (its own client) gets a 429 and
     # pauses the key for 1.5 s. limiter.lua publishes the new epoch; the sleepers hear it and
     # take fresh slots after the pause. Without it they would all go out during the pause.
     async def main():
-        client, other_client = (aioredis.Redis.from_url(valkey_url) for _ in range(2))
-        ns = f"test:pubsub-wake:{uuid.uuid4().hex}"
-        settings = LimiterSettings(rpm=600, reach_s=1.0)
-        lim = RedisLimiter(client, namespace=ns, settings=settings, job="a")
-        other = RedisLimiter(other_client, namespace=ns, settings=settings, job="b")
+        lim, other = _this_and_another_process(valkey_url)
         pacer = Pacer(lim)
         sends: list[tuple[float, int]] = []
 
@@ -234,11 +248,7 @@ def test_another_process_s_429_reaches_the_sleepers_at_once(valkey_url):
         await other.penalize(await other.acquire(1), retry_after_s=1.5)
         penalized = time.monotonic()
         await asyncio.gather(*tasks)
-        async with asyncio.timeout(5):  # the listener stops with the engine
-            await lim.release()
-            await other.release()
-        for c in (client, other_client):
-            await c.aclose()
+        await _close(lim, other)
         return penalized, sends
 
     penalized, sends = asyncio.run(main())
@@ -256,11 +266,7 @@ def test_a_request_takes_two_fresh_slots_at_most_however_often_the_schedule_rest
     # slot MAX_FRESH_SLOTS times at most, then sleeps to the one it holds and is sent: it is not
     # asked again at every restart for as long as the storm lasts.
     async def main():
-        client, other_client = (aioredis.Redis.from_url(valkey_url) for _ in range(2))
-        ns = f"test:fresh-cap:{uuid.uuid4().hex}"
-        settings = LimiterSettings(rpm=600, reach_s=1.0)
-        lim = RedisLimiter(client, namespace=ns, settings=settings, job="a")
-        other = RedisLimiter(other_client, namespace=ns, settings=settings, job="b")
+        lim, other = _this_and_another_process(valkey_url)
         pacer = Pacer(lim)
         acquire, asks = lim.acquire, []
 
@@ -276,10 +282,7 @@ def test_a_request_takes_two_fresh_slots_at_most_however_often_the_schedule_rest
             restarts += 1
             await asyncio.sleep(0.1)
         await sending
-        async with asyncio.timeout(5):
-            await lim.release()
-        for c in (client, other_client):
-            await c.aclose()
+        await _close(lim, other)
         return len(asks), restarts
 
     asks, restarts = asyncio.run(main())
