@@ -1,20 +1,19 @@
-"""Batch mode (issue 13): the Batch API path against the simulator's /v1/files and /v1/batches,
-with DuckDB files and real `dagster asset materialize` subprocesses; counted at the simulator."""
+"""Batch mode (issue 13): the Batch API path against the simulator's /v1/files and /v1/batches
+with DuckDB files, counted at the simulator: a partition written at half price, the lease, typed
+outputs, the per-file and enqueued-token limits, the Azure URL form, a wrong key, the YAML
+component, and the import boundary. Its fixtures and helpers (bsim, batch_config, a kill while
+polling in a real `dagster asset materialize` subprocess) serve the other batch modules too."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 import urllib.request
 
 import dagster as dg
-import duckdb
 import pytest
 
 from batch_llm_assets import (
@@ -30,7 +29,6 @@ from batch_llm_assets.engine.identity import legacy_scope
 
 from .conftest import SIM_KEY
 from .conftest import duckdb_query as query
-from .test_bigquery import bq, bq_endpoint, dataset  # noqa: F401  (fixtures)
 from .test_component import load_attributes  # noqa: F401  (fixture)
 
 DAYS = dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04")
@@ -214,49 +212,6 @@ def test_typed_outputs_in_batch_mode_fill_typed_columns(bsim, db):
     assert bad and {(r[1], r[2], r[3]) for r in bad} == {("invalid_output", None, None)}
 
 
-_DEFS = """
-import dagster as dg
-from batch_llm_assets import DuckDBWarehouse, LLMResource, Prompt, SourceTable, build_llm_batch_asset
-from batch_llm_assets.assets.batch_mode import BatchSettings
-
-sentiment = build_llm_batch_asset(
-    name="sentiment",
-    source=SourceTable(table="news_headlines", partition_column="published_at", columns=["headline"]),
-    prompt=Prompt(template={template!r}),
-    output="news_sentiment",
-    params={{"max_tokens": 5}},
-    partitions_def=dg.DailyPartitionsDefinition(start_date="2026-11-01", end_date="2026-11-04"),
-    mode="batch",
-    batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5),
-)
-defs = dg.Definitions(assets=[sentiment], resources={{
-    "llm": LLMResource(base_url="{url}", api_key="{key}", model="gpt-4o-mini"),
-    "warehouse": DuckDBWarehouse(database="{db}"),
-}})
-"""
-
-
-def _command(tmp_path, sim, db):
-    defs = tmp_path / "defs.py"
-    defs.write_text(_DEFS.format(template=PROMPT.template, url=sim.url, key=SIM_KEY, db=db))
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-f",
-        str(defs),
-        "--select",
-        "sentiment",
-        "--partition",
-        "2026-11-01",
-    ]
-    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
-
-
 def kill_while_polling_then_rerun(sim, cmd, env) -> None:
     """Run `cmd` until its batch is submitted and polled, SIGKILL it, let the provider finish
     the batch, run `cmd` again to its end."""
@@ -274,110 +229,6 @@ def kill_while_polling_then_rerun(sim, cmd, env) -> None:
     batch_config(sim, completion_s=0.5)  # the provider finishes the batch meanwhile
     final = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-2000:]
-
-
-def test_sigkill_while_waiting_then_rerun_resumes_without_resubmitting(bsim, db, tmp_path):
-    cmd, env = _command(tmp_path, bsim, db)
-    kill_while_polling_then_rerun(bsim, cmd, env)
-    stats = bsim.stats()
-    assert (stats["files_uploaded"], stats["batches_created"]) == (1, 1)
-    assert stats["batch_lines_submitted"] == PER_DAY == stats["batch_lines_processed"]
-    assert query(
-        db, "SELECT count(*), count(DISTINCT id), min(status), max(status) FROM news_sentiment"
-    ) == [(PER_DAY, PER_DAY, "ok", "ok")]
-    assert query(db, f"SELECT state FROM {STATE}") == [("collected",)]
-
-
-def test_orphan_batch_of_a_run_killed_before_recording_it_is_adopted(bsim, db):
-    assert materialize(asset(wait=False), bsim, db).success
-    # The state a kill leaves between "provider accepted the batch" and "we recorded its id".
-    con = __import__("duckdb").connect(db)
-    con.execute(f"UPDATE {STATE} SET state = 'uploaded', batch_id = NULL")
-    con.close()
-    result = materialize(asset(), bsim, db)
-    assert result.success
-    stats = bsim.stats()
-    assert (stats["batches_created"], stats["batch_lines_submitted"]) == (1, PER_DAY)
-    assert statuses(db) == {"ok": PER_DAY}
-
-
-def _other_teams_batches(sim, n):
-    """`n` batches created on the key after ours (a long backfill, other teams' jobs)."""
-    line = {
-        "custom_id": "other",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
-    }
-    boundary = "b0undary"
-    form = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="o.jsonl"\r\n'
-        f"Content-Type: application/jsonl\r\n\r\n{json.dumps(line)}\n\r\n--{boundary}--\r\n"
-    )
-    auth = {"Authorization": f"Bearer {SIM_KEY}"}
-    upload = urllib.request.Request(
-        f"{sim.url}/files",
-        data=form.encode(),
-        headers=auth | {"Content-Type": f"multipart/form-data; boundary={boundary}"},
-    )
-    with urllib.request.urlopen(upload, timeout=10) as resp:
-        file_id = json.loads(resp.read())["id"]
-    body = json.dumps({"input_file_id": file_id, "endpoint": "/v1/chat/completions"}).encode()
-
-    def create(_):
-        req = urllib.request.Request(
-            f"{sim.url}/batches", data=body, headers=auth | {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())["id"]
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        return list(pool.map(create, range(n)))
-
-
-def test_an_orphan_batch_is_found_behind_thousands_of_newer_batches(bsim, db):
-    """A kill between creating the batch and recording it, then 2,100 newer batches on the key:
-    the search goes back to the input file's upload, however many batches that is."""
-    assert materialize(asset(wait=False), bsim, db).success
-    con = duckdb.connect(db)
-    con.execute(f"UPDATE {STATE} SET state = 'uploaded', batch_id = NULL")
-    con.close()
-    assert len(_other_teams_batches(bsim, 2_100)) == 2_100
-    before = bsim.stats()
-    assert materialize(asset(), bsim, db).success
-    after = bsim.stats()
-    assert after["batches_created"] == before["batches_created"]  # adopted, not resubmitted
-    assert after["batch_lines_submitted"] == before["batch_lines_submitted"]
-    assert statuses(db) == {"ok": PER_DAY}
-    assert query(db, f"SELECT state FROM {STATE}") == [("collected",)]
-
-
-def _within(seconds, fn):
-    """fn() in a thread, which must end within `seconds` (a run that never ends fails here)."""
-    out = []
-    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), f"still running after {seconds} s"
-    return out[0]
-
-
-def test_batches_that_keep_expiring_are_resubmitted_at_most_max_resubmits_times(bsim, db):
-    assert BatchSettings().max_resubmits == 3
-    batch_config(bsim, expire_fraction=0.0)  # every batch expires before reaching any line
-    result = _within(60, lambda: materialize(asset(max_resubmits=2), bsim, db))
-    assert not result.success  # every row failed: over max_failed_fraction, and the run ended
-    stats = bsim.stats()
-    assert (stats["batches_created"], stats.get("batch_lines_processed", 0)) == (3, 0)
-    assert statuses(db) == {"failed": PER_DAY}
-    ((error_class, error),) = query(db, "SELECT DISTINCT error_class, error FROM news_sentiment")
-    assert error_class == "batch_expired"
-    assert "3 batches in a row ended expired" in error and "(max_resubmits=2)" in error
-    # Failed rows are not done: with the provider healthy again, a rerun sends them.
-    batch_config(bsim, expire_fraction=None)
-    assert materialize(asset(), bsim, db).success
-    assert statuses(db) == {"ok": PER_DAY}
 
 
 def test_a_template_that_fails_every_row_submits_nothing(bsim, db):
@@ -416,57 +267,6 @@ def test_rows_stored_under_the_earlier_identity_are_not_submitted_again(bsim, db
     assert bsim.stats()["batch_lines_submitted"] == PER_DAY
 
 
-def test_expired_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
-    batch_config(bsim, expire_fraction=0.5)
-    assert materialize(asset(wait=False), bsim, db).success
-    time.sleep(0.6)
-    expired = materialize(asset(wait=False), bsim, db)  # collects half, resubmits the rest
-    assert expired.success
-    assert statuses(db) == {"ok": PER_DAY // 2}
-    assert metadata(expired)["batches_submitted"] == 1
-    batch_config(bsim, expire_fraction=None)
-    final = materialize(asset(), bsim, db)
-    assert final.success
-    md = metadata(final)
-    assert (md["run/rows_ok"], md["run/rows_skipped"]) == (PER_DAY // 2, PER_DAY // 2)
-    stats = bsim.stats()
-    assert stats["batches_created"] == 2
-    assert stats["batch_lines_submitted"] == PER_DAY + PER_DAY // 2
-    assert stats["batch_lines_processed"] == PER_DAY  # no row answered (and paid) twice
-    assert statuses(db) == {"ok": PER_DAY}
-
-
-def test_error_file_lines_become_failed_rows_and_a_rerun_resends_only_them(bsim, db):
-    batch_config(bsim, line_fail=0.3)
-    instance = dg.DagsterInstance.ephemeral()
-    result = dg.materialize(
-        [asset()],
-        resources=resources(bsim, db),
-        partition_key="2026-11-01",
-        raise_on_error=False,
-        instance=instance,
-    )
-    failed = bsim.stats()["batch_lines_failed"]
-    assert 0 < failed < PER_DAY
-    assert not result.success  # over max_failed_fraction, after every row was written
-    # The failed partition is checked too, its evaluation naming the partition (issue 28).
-    (record,) = instance.event_log_storage.get_asset_check_execution_history(
-        dg.AssetCheckKey(dg.AssetKey("sentiment"), "failed_fraction"), limit=5
-    )
-    assert record.partition == "2026-11-01" and record.status.value == "FAILED"
-    assert statuses(db) == {"ok": PER_DAY - failed, "failed": failed}
-    reasons = query(
-        db, "SELECT DISTINCT error_class, error FROM news_sentiment WHERE status = 'failed'"
-    )
-    assert reasons == [
-        ("server_error", "HTTP 500: The server had an error while processing your request.")
-    ]
-    batch_config(bsim, line_fail=0.0)
-    assert materialize(asset(), bsim, db).success
-    assert bsim.stats()["batch_lines_submitted"] == PER_DAY + failed
-    assert statuses(db) == {"ok": PER_DAY}
-
-
 def test_rows_are_split_into_files_within_the_per_file_limit(bsim, db):
     result = materialize(asset(max_file_requests=8), bsim, db)
     assert result.success
@@ -486,74 +286,6 @@ def test_enqueued_token_limit_queues_submissions_instead_of_being_refused(bsim, 
     assert statuses(db) == {"ok": PER_DAY}
     tokens = query(db, f"SELECT max(tokens) FROM {STATE}")[0][0]
     assert tokens <= limit
-
-
-def test_sensor_requests_the_partition_once_its_batches_complete(bsim, db):
-    from batch_llm_assets.sensors import build_batch_completion_sensor
-
-    a = asset(wait=False)
-    sensor = build_batch_completion_sensor(asset=a)
-    batch_config(bsim, completion_s=60.0)
-    submitted = materialize(a, bsim, db)
-    assert submitted.success and metadata(submitted)["batches_open"] == 1
-    assert statuses(db) == {}
-
-    def tick():
-        with (
-            dg.instance_for_test() as instance,
-            dg.build_sensor_context(instance=instance, resources=resources(bsim, db)) as ctx,
-        ):
-            return sensor(ctx)
-
-    assert isinstance(tick(), dg.SkipReason)  # still in progress
-    batch_config(bsim, completion_s=0.1)
-    result = tick()
-    [request] = result.run_requests
-    assert request.partition_key == "2026-11-01"
-    collected = materialize(a, bsim, db)  # what the requested run does: collect only
-    assert collected.success and metadata(collected)["batches_submitted"] == 0
-    assert statuses(db) == {"ok": PER_DAY}
-    assert bsim.stats()["batches_created"] == 1
-    assert isinstance(tick(), dg.SkipReason)  # nothing open any more
-
-
-@pytest.mark.bigquery
-def test_batch_mode_on_bigquery_records_state_and_resumes(bsim, bq_endpoint, bq, dataset):  # noqa: F811
-    from batch_llm_assets.resources.bigquery_warehouse import BigQueryWarehouse
-
-    from .test_bigquery import PER_DAY as BQ_PER_DAY
-    from .test_bigquery import PROJECT
-    from .test_bigquery import query as bq_query
-
-    a = build_llm_batch_asset(
-        name="sentiment",
-        source=SourceTable(
-            table=f"{dataset}.news_headlines", partition_column="published_at", columns=["headline"]
-        ),
-        prompt=PROMPT,
-        output=f"{dataset}.news_sentiment",
-        params={"max_tokens": 5},
-        partitions_def=DAYS,
-        mode="batch",
-        batch=BatchSettings(poll_first_s=0.2, poll_max_s=0.5, wait=False),
-    )
-    res = {
-        "llm": LLMResource(base_url=bsim.url, api_key=SIM_KEY, model="gpt-4o-mini"),
-        "warehouse": BigQueryWarehouse(project=PROJECT, api_endpoint=bq_endpoint),
-    }
-    run = lambda: dg.materialize([a], resources=res, partition_key="2026-11-01")  # noqa: E731
-    assert metadata(run())["batches_open"] == 1
-    state = f"`{dataset}`.`news_sentiment__bla_batches`"
-    assert bq_query(bq, f"SELECT state, n_requests FROM {state}") == [("submitted", BQ_PER_DAY)]
-    time.sleep(0.6)
-    assert metadata(run())["run/rows_ok"] == BQ_PER_DAY  # collects only
-    assert bq_query(bq, f"SELECT state, provider_status FROM {state}") == [
-        ("collected", "completed")
-    ]
-    assert bq_query(
-        bq, f"SELECT count(*) FROM `{dataset}`.`news_sentiment` WHERE status = 'ok'"
-    ) == [(BQ_PER_DAY,)]
-    assert bsim.stats()["batches_created"] == 1
 
 
 def test_yaml_component_declares_batch_mode_and_its_completion_sensor(load_attributes):  # noqa: F811
@@ -626,29 +358,6 @@ def test_a_wrong_key_fails_the_run_without_the_key_in_the_message(bsim, db):
     text = str(failure.event_specific_data.error.message)
     assert "Incorrect API key" in text and "0123456789" not in text
     assert bsim.stats().get("batches_created", 0) == 0
-
-
-def test_cancelled_batch_keeps_its_results_and_resubmits_only_the_rest(bsim, db):
-    batch_config(bsim, completion_s=4.0)
-    submitted = materialize(asset(wait=False), bsim, db)
-    [batch_id] = metadata(submitted)["batch_ids"]
-    time.sleep(2.0)  # about half way: the simulator cancels with the lines it got to
-    req = urllib.request.Request(
-        f"{bsim.url}/batches/{batch_id}/cancel",
-        data=b"",
-        method="POST",
-        headers={"Authorization": f"Bearer {SIM_KEY}"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert json.loads(resp.read())["status"] == "cancelled"
-    done_by_cancelled = bsim.stats()["batch_lines_processed"]
-    assert 0 < done_by_cancelled < PER_DAY
-    batch_config(bsim, completion_s=0.3)
-    assert materialize(asset(), bsim, db).success
-    stats = bsim.stats()
-    assert stats["batch_lines_submitted"] == 2 * PER_DAY - done_by_cancelled
-    assert stats["batch_lines_processed"] == PER_DAY
-    assert statuses(db) == {"ok": PER_DAY}
 
 
 def test_the_batch_client_and_the_simulator_batch_routes_import_no_dagster():
