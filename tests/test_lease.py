@@ -1,6 +1,7 @@
 """The partition lease on real processes and servers: two hosts on BigQuery without a shared Redis,
-a holder killed with SIGKILL, a DuckDB file held by a long run. (Lease basics: test_pipeline.py;
-its Redis restarted, failed over or given a password: test_lease_redis.py.)"""
+a holder killed with SIGKILL, a DuckDB file held by a long run. (Lease basics:
+test_pipeline_stops_and_leases.py; its Redis restarted, failed over or given a password:
+test_lease_redis.py.)"""
 
 from __future__ import annotations
 

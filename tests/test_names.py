@@ -1,6 +1,6 @@
 """Table and column names as the warehouse resolves them: case, schemas, ambiguity (DuckDB here;
-BigQuery's in test_bigquery.py). Identifier patterns and typed-output names: test_reliability.py,
-test_structured.py."""
+BigQuery's in test_bigquery.py). Identifier patterns and typed-output names:
+test_reliability_bad_input_and_secrets.py, test_structured_schema_and_forms.py."""
 
 from __future__ import annotations
 
