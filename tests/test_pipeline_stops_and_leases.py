@@ -140,7 +140,10 @@ def _sigterm_after(proc, condition, timeout=120) -> float:
 
 
 def test_sigterm_ends_the_run_within_seconds_and_keeps_every_answer(fresh_sim, db, tmp_path):  # noqa: F811
-    fresh_sim.configure(latency_ms=40.0)
+    # 1,000 rows at 8 in flight and 100 ms each take 12.5 s: the stop after 200 comes before
+    # the end even if a busy host delays the poll or the signal by seconds (at 40 ms, a CI run
+    # on three workers once answered all 1,000 first).
+    fresh_sim.configure(latency_ms=100.0)
     cmd, env = _defs(tmp_path, fresh_sim, db)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     took = _sigterm_after(proc, lambda: fresh_sim.stats().get("answered", 0) >= 200)
