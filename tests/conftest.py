@@ -185,22 +185,16 @@ def materialize_command(tmp_path, sim, db, *, chunk_rows, max_concurrency):
             url=sim.url, key=SIM_KEY, db=db, chunk_rows=chunk_rows, max_concurrency=max_concurrency
         )
     )
-    home = tmp_path / "home"
+    return materialize_argv(defs, tmp_path / "home", select="sentiment", partition="2026-11-01")
+
+
+def materialize_argv(defs, home, *, select: str, partition: str):
+    """`dagster asset materialize` of one partition of `select` from the code file `defs`, in a
+    DAGSTER_HOME of its own (`home`, made here), as a real subprocess runs it: (argv, env)."""
     home.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-f",
-        str(defs),
-        "--select",
-        "sentiment",
-        "--partition",
-        "2026-11-01",
-    ]
-    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
+    argv = [sys.executable, "-m", "dagster", "asset", "materialize", "-f", str(defs)]
+    argv += ["--select", select, "--partition", partition]
+    return argv, {**os.environ, "DAGSTER_HOME": str(home)}
 
 
 def duckdb_query(db: str, sql: str) -> list[tuple]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import sys
 import threading
 import time
 import urllib.request
@@ -21,7 +19,7 @@ import pytest
 from batch_llm_assets import LLMResource, SourceTable, build_llm_batch_asset
 from batch_llm_assets.assets.batch_mode import BatchSettings
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, materialize_argv
 from .conftest import duckdb_query as query
 from .test_batch_mode import (  # noqa: F401  (fixtures)
     DAYS,
@@ -65,22 +63,7 @@ defs = dg.Definitions(assets=[sentiment], resources={{
 def _command(tmp_path, sim, db):  # noqa: F811
     defs = tmp_path / "defs.py"
     defs.write_text(_DEFS.format(template=PROMPT.template, url=sim.url, key=SIM_KEY, db=db))
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-f",
-        str(defs),
-        "--select",
-        "sentiment",
-        "--partition",
-        "2026-11-01",
-    ]
-    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
+    return materialize_argv(defs, tmp_path / "home", select="sentiment", partition="2026-11-01")
 
 
 def test_sigkill_while_waiting_then_rerun_resumes_without_resubmitting(bsim, db, tmp_path):  # noqa: F811

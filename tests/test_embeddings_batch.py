@@ -4,14 +4,11 @@ with DuckDB files and real `dagster asset materialize` subprocesses; counted at 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 from batch_llm_assets.assets.batch_mode import BatchSettings, state_table_for
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, materialize_argv
 from .conftest import duckdb_query as query
 from .test_batch_mode import bsim, kill_while_polling_then_rerun  # noqa: F401  (fixture)
 from .test_embeddings import DAY, MODEL, PER_DAY, asset, db, materialize, metadata  # noqa: F401
@@ -83,11 +80,7 @@ def test_sigkill_while_waiting_then_rerun_embeds_the_partition_exactly_once(
 ):
     defs = tmp_path / "defs.py"
     defs.write_text(_DEFS.format(model=MODEL, url=bsim.url, key=SIM_KEY, db=db))
-    home = tmp_path / "home"
-    home.mkdir()
-    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-f", str(defs)]
-    cmd += ["--select", "emb", "--partition", DAY]
-    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    cmd, env = materialize_argv(defs, tmp_path / "home", select="emb", partition=DAY)
     kill_while_polling_then_rerun(bsim, cmd, env)
     stats = bsim.stats()
     assert (stats["files_uploaded"], stats["batches_created"]) == (1, 1)

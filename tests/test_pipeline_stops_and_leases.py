@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from batch_llm_assets.assets.journal import journal_key
 from batch_llm_assets.assets.lease import file_lease, redis_lease
 from batch_llm_assets.engine.limiter import limiter_namespace
 
-from .conftest import SIM_KEY
+from .conftest import SIM_KEY, materialize_argv
 from .conftest import duckdb_query as query
 from .test_pipeline import (
     PK,
@@ -121,11 +120,7 @@ defs = dg.Definitions(assets=[sentiment], resources={{
 """
     path = tmp_path / "defs.py"
     path.write_text(code)
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-f", str(path)]
-    cmd += ["--select", "sentiment", "--partition", PK]
-    return cmd, {**os.environ, "DAGSTER_HOME": str(home)}
+    return materialize_argv(path, tmp_path / "home", select="sentiment", partition=PK)
 
 
 def _sigterm_after(proc, condition, timeout=120) -> float:
