@@ -98,10 +98,11 @@ def test_after_a_429_sleepers_take_fresh_slots_paced_from_the_pause(fresh_sim, v
     assert all(r.ok for r in results)
     stats = fresh_sim.stats()
     # Nothing went out in a herd at a pause's end: a herd is a bucket's worth (20) of 429s
-    # beyond the injected ones (22-30 with the old slots kept). An idle host adds none; a busy
-    # one a few, as its sends and the simulator's admissions drift apart (up to 9 seen with
-    # four CPU hogs on two cores): at most half a bucket.
-    assert stats.get("rate_limited", 0) - stats["received"] // 20 <= 10
+    # beyond the injected ones (22-30 with the old slots kept; 26-29 with MAX_FRESH_SLOTS = 0).
+    # An idle host adds 0-2; a busy one more, as its sends and the simulator's admissions drift
+    # apart (up to 9 seen with four CPU hogs on two cores, 11 once in a full CI run on three
+    # workers): at most 15, still half the herd's least.
+    assert stats.get("rate_limited", 0) - stats["received"] // 20 <= 15
 
 
 async def _collect(results):
