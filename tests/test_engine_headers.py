@@ -207,8 +207,8 @@ def test_a_whole_second_retry_after_is_no_shared_pause(fresh_sim, valkey_url):
 
 
 def test_a_provider_that_counts_otherwise_is_reserved_what_it_charges(fresh_sim, valkey_url):
-    # The provider counts a quarter of the body's characters (~1.7x tiktoken here): the engine
-    # learns it from the usage and reserves that, so its 1 s bucket is never overdrawn.
+    # The provider counts a quarter of the body's characters (1.33x tiktoken's prompt count
+    # here): the engine learns the ratio from the usage and reserves what the provider charges.
     fresh_sim.configure(tpm=600_000, rpm=60_000, bucket_s=1.0, counting="chars4")
     llm = make(
         fresh_sim,
@@ -224,9 +224,11 @@ def test_a_provider_that_counts_otherwise_is_reserved_what_it_charges(fresh_sim,
     reqs = [ChatRequest(i, user(f"Headline {i}: " + words * 4)) for i in range(200)]
     results, engine = run_engine(llm, reqs)
     assert [r.error_message for r in results.values() if not r.ok] == []
-    # One 429 in about one run in six: when the burst widens (0.5 s to the bucket's 0.9 s) the
-    # schedule restarts from what the answer says remains less what was sent since, and a
-    # request granted just before but not yet sent is in neither (docs/engine.md, Known
-    # limits). Without the calibration it is a 429 storm, every request 1.3x underreserved.
-    assert fresh_sim.stats().get("rate_limited", 0) <= 1
+    # The calibration is what this test checks: without it (CALIBRATION_MAX at 1.0) it stays
+    # 1.0. The 429s do not tell the two apart here: the remaining headers correct the count,
+    # and 0-3 came with the calibration and without it, idle and beside four CPU hogs. A 429
+    # comes when the burst widens (0.5 s to the bucket's 0.9 s) and a request granted just
+    # before is in neither the answer's remaining nor what was sent since (docs/engine.md,
+    # Known limits); a full CI run on three workers saw 3. The bound is against a storm.
     assert engine.pacer.controller.calibration > 1.3
+    assert fresh_sim.stats().get("rate_limited", 0) <= 6
