@@ -30,8 +30,14 @@ def test_a_429_restarts_the_schedule_once_per_overload_event(redis_url, namespac
         # Slots in Redis time: each wait_s is counted from its own acquire, a few ms apart.
         gaps = [b.slot_ms - a.slot_ms for a, b in itertools.pairwise(fresh)]
         assert min(gaps) > 0.95 * 50 / cut, gaps
-        late = await lim.acquire(0)  # granted after the decrease: its 429 is a new event
+        # Granted after the decrease, before any answer at the cut rate succeeded: the
+        # provider still remembers the overload (a window until its end), the same event.
+        late = await lim.acquire(0)
         await lim.penalize(late, retry_after_s=None)
+        assert lim.factor == pytest.approx(cut, abs=0.01)
+        # Once an answer at the cut rate succeeded, a 429 is a new event: one more decrease.
+        await lim.settle(fresh[-1], ok=True)
+        await lim.penalize(await lim.acquire(0), retry_after_s=None)
         assert lim.factor == pytest.approx(cut * cut, abs=0.01)
         await client.aclose()
 
@@ -65,9 +71,11 @@ def test_the_factor_recovers_fast_only_to_under_the_rate_that_failed(redis_url, 
 
 async def _factor_after(url, namespace, *, events: int, later_s: float) -> float:
     """The factor `later_s` after `events` overload events in a row (each 429 for a grant made
-    after the previous cut), time passed by moving the state's clock back."""
+    after an answer succeeded at the previous cut), time passed by moving the state's clock
+    back."""
     client, lim = _limiter(url, namespace, rpm=600)
     for _ in range(events):
+        await lim.settle(await lim.acquire(0), ok=True)
         await lim.penalize(await lim.acquire(0), retry_after_s=None)
     assert lim.factor == pytest.approx(C.ADAPT_DECREASE**events, abs=0.005)
     state = await client.hgetall(f"{namespace}:state")

@@ -14,7 +14,7 @@ local op, job, t = ARGV[1], a.job or '', redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
 local S, F = KEYS[1], {'tr', 'tt', 'f', 'ft', 'fp', 'pause', 'ep', 'b', 'lt', 'lo', 'sr', 'st',
-  'n', 'wer', 'wrr', 'wet', 'wrt'}
+  'n', 'wer', 'wrr', 'wet', 'wrt', 'dp', 'ok'}
 local v = redis.call('HMGET', S, unpack(F))
 for i = 1, #F do v[i] = tonumber(v[i]) end
 local base = num('burst_ms')
@@ -27,6 +27,8 @@ ep = math.max(ep, num('seen'))
 local sr, stk, n = v[11] or 0, v[12] or 0, v[13] or 0
 -- A window the provider enforces, per dimension: when it resets, and what it has left.
 local win = {r = {v[14] or 0, v[15] or 0}, t = {v[16] or 0, v[17] or 0}}
+-- The epoch the latest decrease started, and the latest epoch an answer succeeded in.
+local dp, okep = v[18] or -1, v[19] or -1
 -- No state: a first call, or a server that lost its data while this caller holds sends up to
 -- `ahead` ms from now: then start after those with a spent burst, not with a full bucket.
 if not tr then tr = num('ahead') > 0 and now + num('ahead') + base or 0; tt = tr end
@@ -83,7 +85,7 @@ end
 
 local function reply(granted, s, share, jobs)
   local vals = {tr, tt, f0, ft, fp, pause, ep, b, now, lo, sr, stk, n, win.r[1], win.r[2],
-    win.t[1], win.t[2]}
+    win.t[1], win.t[2], dp, okep}
   local kv = {}
   for i = 1, #F do kv[2 * i - 1], kv[2 * i] = F[i], vals[i] end
   redis.call('HSET', S, unpack(kv))
@@ -140,6 +142,7 @@ if op == 'settle' then
   -- burst or a lower believed rate restarts the schedule.
   local gep, restart, wider = num('epoch'), num('restart') == 1, false
   charge(num('slot'), gep, num('requests'), num('tokens'), true)
+  if num('ok') == 1 and gep == ep then okep = ep end
   if a.cap_ms and gep == ep then
     local cap = math.max(base, math.min(num('cap_ms'), num('max_burst_ms')))
     wider, b = cap >= math.max(num('wider') * b, b + num('step_ms')), cap
@@ -159,14 +162,17 @@ end
 
 if op == 'penalize' then
   -- A 429 for the rate. One overload event is one decrease: a 429 for a grant of an older epoch
-  -- belongs to the event that restarted the schedule since. The restart empties the burst:
-  -- what comes next goes out paced from the pause's end.
+  -- belongs to the event that restarted the schedule since, and so does one before an answer
+  -- at the cut rate succeeded (`ok`): a window refuses until what it admitted leaves it (one
+  -- cut per loss episode, as TCP: RFC 6582). The restart empties the burst: what comes next
+  -- goes out paced from the pause's end.
   if num('pause_ms') > 0 then pause = math.max(pause, now + num('pause_ms')) end
-  if num('epoch') >= ep then
+  if num('epoch') >= ep and (ep ~= dp or okep == ep) then
     fp, f0, ft = factor, math.max(minf, factor * num('decrease')), now
     factor, b = f0, base
     rates()
     hold(math.max(now, pause), true)
+    dp = ep
   end
   return reply(1, now, 1, 0)
 end

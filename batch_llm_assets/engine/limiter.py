@@ -289,18 +289,22 @@ class RedisLimiter:
         tokens: float = 0,
         requests: int = 0,
         view: dict[str, float] | None = None,
+        ok: bool = False,
     ) -> None:
         """An answer: charge (or give back) the difference from the reservation, and hold the
         schedule to the provider's state (`view`: rem_r / rem_t remaining, reset_r / reset_t ms
         to a window's reset, cap_ms the burst its bucket allows, restart 1 when the believed rate
-        fell so the slots granted at the old one are taken again; see controller.py)."""
+        fell so the slots granted at the old one are taken again; see controller.py). `ok`: it
+        succeeded, so a later 429 is a new overload event (penalize)."""
         named: list[object] = ["slot", grant.slot_ms, "epoch", grant.epoch]
         named += ["tokens", tokens, "requests", requests]
         step_s = max(self.settings.burst_s, C.BURST_WIDER_STEP_S)
         named += ["max_burst_ms", C.MAX_LEARNED_BURST_S * 1000, "step_ms", step_s * 1000]
         for k, v in (view or {}).items():
             named += [k, v]
-        if tokens or requests or view:
+        if ok:
+            named += ["ok", 1]
+        if tokens or requests or view or ok:
             await self._call("settle", *named)
 
     async def give_back(self, grant: Grant) -> None:

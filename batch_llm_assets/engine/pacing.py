@@ -144,7 +144,7 @@ class Pacer:
 
     async def _settle(self, grant: Grant, delta: int, view: dict[str, float] | None) -> None:
         try:
-            await self.limiter.settle(grant, tokens=delta, view=view)
+            await self.limiter.settle(grant, tokens=delta, view=view, ok=True)
         except E.LimiterError as exc:
             self.limiter.warn("settle", "Could not report an answer to the limiter: %s", exc)
 
