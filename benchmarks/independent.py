@@ -29,8 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The repo importable in the spawned engine processes too (they inherit the environment).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-# No internet here: tiktoken's encodings come from this cache.
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", "/work/shared/tiktoken")
+# No internet here: tiktoken's encodings come from ../shared/tiktoken when it exists.
+_TIKTOKEN = ROOT.parent / "shared" / "tiktoken"
+if _TIKTOKEN.is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_TIKTOKEN))
 sys.path.insert(0, str(ROOT))
 
 # db 13 is this benchmark's own; it is flushed before each case so no limiter state carries over.
