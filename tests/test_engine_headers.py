@@ -51,6 +51,33 @@ def test_rate_limit_headers_that_are_not_numbers_a_provider_could_mean_are_ignor
 DIMS = ("requests", "tokens")
 
 
+def test_a_gateways_generic_headers_are_read_as_the_requests_remaining_and_reset():
+    # Kong and Dev Proxy send the IETF draft's RateLimit-*, its later drafts one structured
+    # RateLimit field, Envoy's rate-limit filter X-RateLimit-*. Their limit is a quota per the
+    # gateway's window, not per minute: not read. OpenAI's own headers come first.
+    from batch_llm_assets.engine.usage import ProviderLimits, parse_limits
+
+    want = ProviderLimits(remaining_requests=7, reset_requests_s=3.0)
+    for headers in (
+        {"ratelimit-limit": "50", "ratelimit-remaining": "7", "ratelimit-reset": "3"},
+        {"ratelimit": '"hour";r=900;t=1800, "burst";r=7;t=3', "ratelimit-policy": '"b";q=50;w=5'},
+        {"x-ratelimit-limit": "50", "x-ratelimit-remaining": "7", "x-ratelimit-reset": "3"},
+    ):
+        assert parse_limits(headers) == want, headers
+    openai = {"x-ratelimit-remaining-requests": "9", "ratelimit-remaining": "7"}
+    assert parse_limits(openai).remaining_requests == 9
+    # A reset over a minute may be a Unix time (GitHub's), milliseconds, an hour's window: not
+    # held on; a date does not parse. The remaining count stands without a reset.
+    assert parse_limits({"x-ratelimit-remaining": "7", "x-ratelimit-reset": "60"}).reset_requests_s
+    for reset in ("1764331200", "5000", "Sat, 28 Nov 2026 12:00:00 GMT", "nan", "\ud800"):
+        got = parse_limits({"x-ratelimit-remaining": "7", "x-ratelimit-reset": reset})
+        assert got == ProviderLimits(remaining_requests=7), reset
+    for bad in ("-1", "inf", "many"):
+        assert parse_limits({"ratelimit-remaining": bad}) == ProviderLimits(), bad
+    huge = {"ratelimit": '"a";r=' + "9" * 5000 + ";t=1, " * 1000}  # over int()'s digit limit
+    assert parse_limits(huge) == ProviderLimits(reset_requests_s=1.0)
+
+
 # -- the controller reading them (no server needed) ----------------------------------------------
 
 

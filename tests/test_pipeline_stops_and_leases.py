@@ -188,7 +188,8 @@ def test_sigterm_stops_a_run_while_a_template_spins(fresh_sim, db, tmp_path):  #
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     time.sleep(8)  # start-up, then the first row's render spins
     took = _sigterm_after(proc, lambda: True)
-    assert took < 10
+    # Not the render's 600 s: about 6 s alone, 11 in a full suite on a slow host.
+    assert took < 30
     assert fresh_sim.stats().get("received", 0) == 0
 
 

@@ -132,6 +132,10 @@ WINDOW_EVIDENCE_S = 0.25
 # A spent window's grants wait until this long after its reset (the send's way there, and the
 # reset read against our clock from the send's time).
 WINDOW_RESET_MARGIN_S = 0.02
+# A gateway's generic reset header (RateLimit-Reset, X-RateLimit-Reset) is read up to a minute:
+# delta-seconds in the IETF drafts and at Kong and Envoy. Over it, it may be a Unix time (GitHub,
+# IBM), milliseconds, or an hour's window: none worth holding every grant on (429s still pause).
+MAX_GENERIC_RESET_S = 60.0
 # A x-ratelimit-limit-* below the configured limit is a per-minute limit (and lowers the rate)
 # when it is at least this fraction of it; a smaller one is taken for a bucket's capacity.
 PER_MINUTE_LIMIT_FRACTION = 0.5

@@ -16,8 +16,9 @@ from there. It is raised instead, to ADAPTIVE_TIMEOUT_FACTOR x the slowest of th
 when that is longer: a request queued behind others is not given up (and sent again) while the
 server, which goes on computing it anyway, has it in hand; a request that hangs still ends.
 
-Answers with x-ratelimit-* headers come from a rate-limited endpoint (a gateway in front of
-the server): the gate then holds max_concurrency, as for a hosted API.
+Answers with rate-limit headers (x-ratelimit-*, or a gateway's RateLimit-*: usage.py) come from
+a rate-limited endpoint (a gateway in front of the server): the gate then holds max_concurrency,
+as for a hosted API.
 """
 
 from __future__ import annotations

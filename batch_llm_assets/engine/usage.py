@@ -3,7 +3,10 @@
 OpenAI sends usage as prompt/completion tokens with details (cached input, reasoning); some
 OpenAI-compatible servers send input/output tokens (the Responses/Anthropic shape) or nothing.
 Rate-limit headers: x-ratelimit-{limit,remaining,reset}-{requests,tokens}, resets in OpenAI's
-duration format (6m0s, 1.5s, 12ms) or plain seconds.
+duration format (6m0s, 1.5s, 12ms) or plain seconds. A gateway's generic ones (Kong, Envoy's
+rate-limit filter, Dev Proxy: the IETF draft's RateLimit-Remaining/-Reset, its later
+`RateLimit: "p";r=..;t=..`, and X-RateLimit-Remaining/-Reset) are read as the requests' when
+OpenAI's are absent; not their limit: it is a quota per the gateway's window, not per minute.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from . import _constants as C
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +105,39 @@ def _header_int(headers: dict[str, str], name: str) -> int | None:
 
 
 def parse_limits(headers: dict[str, str]) -> ProviderLimits:
-    """x-ratelimit-* of a response (header names lower-cased)."""
+    """x-ratelimit-* of a response (header names lower-cased), else a gateway's generic ones."""
     h = headers
+    remaining = _header_int(h, "x-ratelimit-remaining-requests")
+    reset = parse_duration(h.get("x-ratelimit-reset-requests"))
+    if remaining is None and reset is None:
+        remaining, reset = _generic(h)
     return ProviderLimits(
         limit_requests=_header_int(h, "x-ratelimit-limit-requests"),
         limit_tokens=_header_int(h, "x-ratelimit-limit-tokens"),
-        remaining_requests=_header_int(h, "x-ratelimit-remaining-requests"),
+        remaining_requests=remaining,
         remaining_tokens=_header_int(h, "x-ratelimit-remaining-tokens"),
-        reset_requests_s=parse_duration(h.get("x-ratelimit-reset-requests")),
+        reset_requests_s=reset,
         reset_tokens_s=parse_duration(h.get("x-ratelimit-reset-tokens")),
     )
+
+
+_FIELD = re.compile(r";\s*([rt])\s*=\s*([0-9]+)")
+
+
+def _generic(h: dict[str, str]) -> tuple[int | None, float | None]:
+    """(remaining, reset s) of a gateway's generic headers, the first of them that it sends.
+    The reset is read as delta-seconds (the drafts'), up to MAX_GENERIC_RESET_S; an HTTP date
+    does not parse. Otherwise the remaining count stands without a reset."""
+    # The structured field may list several policies: the one with the least left binds.
+    items = [dict(_FIELD.findall(item)) for item in h.get("ratelimit", "").split(",")]
+    fields = min((i for i in items if "r" in i), key=lambda i: float(i["r"]), default={})
+    for remaining, reset in (
+        (fields.get("r"), fields.get("t")),
+        (h.get("ratelimit-remaining"), h.get("ratelimit-reset")),
+        (h.get("x-ratelimit-remaining"), h.get("x-ratelimit-reset")),
+    ):
+        if remaining is not None:
+            seconds = parse_duration(reset)
+            delta = seconds if seconds is not None and seconds <= C.MAX_GENERIC_RESET_S else None
+            return _header_int({"n": remaining}, "n"), delta
+    return None, None

@@ -12,7 +12,7 @@ from .kinds import SERVER_KINDS
 from .limits import ENFORCEMENTS
 from .structured import TYPED_MODES
 
-LIMIT_HEADERS = ("per_minute", "capacity", "none")
+LIMIT_HEADERS = ("per_minute", "capacity", "none", "ietf")
 RETRY_AFTER_STYLES = ("both", "seconds", "ms")
 USAGE_SHAPES = ("openai", "input_output", "none")
 # Settings whose change rebuilds the limits (and so empties them, like a fresh key).
@@ -82,7 +82,8 @@ class SimConfig:
     count_noise: float = 0.0
     usage_shape: str = "openai"  # or "input_output", or "none" (no usage block)
     retry_after: str = "both"  # retry-after-ms + whole seconds; "seconds" (rounded up); "ms"
-    limit_header: str = "per_minute"  # or "capacity" (the bucket's), or "none"
+    # or "capacity" (the bucket's), "none", or "ietf" (a gateway's RateLimit-*: responses.py)
+    limit_header: str = "per_minute"
     rate_headers: bool = True  # x-ratelimit-remaining-* / -reset-* on every answer
     reasoning: bool = False  # reject max_tokens (400 unsupported_parameter), as gpt-5 / o-series
     insufficient_quota: bool = False  # every request: 429 insufficient_quota

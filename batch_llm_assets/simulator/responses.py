@@ -36,7 +36,11 @@ def limit_headers(
 ) -> dict[str, str]:
     """x-ratelimit-* for each limited dimension ("requests", "tokens"), as configured:
     x-ratelimit-limit-* per minute (OpenAI), as the bucket's capacity, or not at all; the
-    remaining and reset ones on or off (not every provider or gateway sends them)."""
+    remaining and reset ones on or off (not every provider or gateway sends them). "ietf": a
+    gateway's generic headers instead, for requests only (the IETF draft's RateLimit-Limit, the
+    window's quota, -Remaining and -Reset in whole seconds, as Kong sends them)."""
+    if limit_header == "ietf":
+        return _ietf(limits.get("requests"), rate_headers=rate_headers, now=now)
     h: dict[str, str] = {}
     for name, limit in limits.items():
         if limit is None:
@@ -48,6 +52,16 @@ def limit_headers(
         if rate_headers:
             h[f"x-ratelimit-remaining-{name}"] = str(limit.remaining(now))
             h[f"x-ratelimit-reset-{name}"] = openai_duration(limit.reset_s(now))
+    return h
+
+
+def _ietf(limit: Limit | None, *, rate_headers: bool, now: float) -> dict[str, str]:
+    if limit is None:
+        return {}
+    h = {"ratelimit-limit": str(int(limit.capacity))}
+    if rate_headers:
+        h["ratelimit-remaining"] = str(limit.remaining(now))
+        h["ratelimit-reset"] = str(math.ceil(limit.reset_s(now)))
     return h
 
 
