@@ -96,10 +96,14 @@ class ProviderLimits:
 
 
 def _header_int(headers: dict[str, str], name: str) -> int | None:
+    return _count(headers.get(name))
+
+
+def _count(text: str | None) -> int | None:
     """A count of the provider's; None if missing, not a number, infinite or negative."""
     try:
-        value = int(float(headers[name]))
-    except (KeyError, ValueError, OverflowError):
+        value = int(float(text))  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
         return None
     return value if value >= 0 else None
 
@@ -139,5 +143,5 @@ def _generic(h: dict[str, str]) -> tuple[int | None, float | None]:
         if remaining is not None:
             seconds = parse_duration(reset)
             delta = seconds if seconds is not None and seconds <= C.MAX_GENERIC_RESET_S else None
-            return _header_int({"n": remaining}, "n"), delta
+            return _count(remaining), delta
     return None, None
