@@ -65,11 +65,40 @@ def test_a_short_window_seen_late_in_its_period_is_no_bucket_at_sight():
     mark = late.on_send(0, 0)
     late.observe(ProviderLimits(remaining_requests=9, reset_requests_s=0.3), mark)
     assert not late._dims[0].bucket
-    # A minute-long bucket's first answer: much left, full again within that request's refill.
+    # Later still, 0.1 s before its end: that is also how a bucket reads. The first request
+    # sent after that reset is in the window's next period, whose reset starts over.
+    later = _controller(rpm=480)
+    mark = later.on_send(0, 0)
+    later.observe(ProviderLimits(remaining_requests=9, reset_requests_s=0.1), mark)
+    assert not later._dims[0].bucket
+    mark = (time.monotonic() + 0.125, *later.on_send(0, 0)[1:])
+    later.observe(ProviderLimits(remaining_requests=9, reset_requests_s=0.99), mark)
+    assert not later._dims[0].bucket
+    # A minute-long bucket's first answer: much left, full again within that request's refill;
+    # and so again on the first answer sent after that.
     bucket = _controller(rpm=480)
     mark = bucket.on_send(0, 0)
     bucket.observe(ProviderLimits(remaining_requests=479, reset_requests_s=0.12), mark)
+    mark = (time.monotonic() + 0.125, *bucket.on_send(0, 0)[1:])
+    bucket.observe(ProviderLimits(remaining_requests=478, reset_requests_s=0.12), mark)
     assert bucket._dims[0].bucket
+
+
+def test_a_windows_next_period_is_not_compared_with_its_last():
+    # A 1 s window of 10 requests paced at 9 a second (the simulator's per-second quantization,
+    # with headers): the first answer reads 9 left 0.21 s before the period's end, the next
+    # period 9 again with its reset started over, then counting down as it is drawn. Compared
+    # with the first, the fourth of them (6 left, 0.66 s) is a bucket's reset grown by 0.45 s
+    # over a draw of 3; it is the window's own countdown from 0.99 s.
+    ctl = _controller(rpm=540)
+    base = time.monotonic()
+    readings = [(0.0, 9, 0.209), (0.111, 8, 0.103)]
+    readings += [(0.222 + 0.111 * k, 9 - k, 0.993 - 0.111 * k) for k in range(4)]
+    for sent, remaining, reset_s in readings:
+        mark = (base + sent, *ctl.on_send(0, 0)[1:])
+        ctl.observe(ProviderLimits(remaining_requests=remaining, reset_requests_s=reset_s), mark)
+    assert not ctl._dims[0].bucket
+    assert ctl._dims[0].window
 
 
 def test_a_busy_hosts_late_send_times_do_not_change_what_the_engine_believes():
@@ -101,7 +130,8 @@ def test_no_wider_burst_while_a_reporting_dimension_is_not_known_a_bucket():
     view = ctl.observe(limits, ctl.on_send(100, 50))
     assert not ctl._dims[0].bucket and not ctl._dims[1].bucket
     assert "cap_ms" not in view, view
-    # Buckets at sight (full again within that refill), the burst may grow to the smaller.
+    # Buckets at sight (full again within that refill), and again on the first answer sent
+    # after that, the burst may grow to the smaller.
     both = _controller(rpm=100_000, tpm=96_000)
     tokens_bucket = ProviderLimits(
         remaining_requests=1660,
@@ -109,7 +139,9 @@ def test_no_wider_burst_while_a_reporting_dimension_is_not_known_a_bucket():
         remaining_tokens=90_000,
         reset_tokens_s=0.05,
     )
-    view = both.observe(tokens_bucket, both.on_send(100, 50))
+    both.observe(tokens_bucket, both.on_send(100, 50))
+    assert not both._dims[1].bucket
+    view = both.observe(tokens_bucket, (time.monotonic() + 0.06, *both.on_send(100, 50)[1:]))
     assert both._dims[0].bucket and both._dims[1].bucket and view["cap_ms"] > 0, view
 
 

@@ -35,28 +35,47 @@ class _Dim:
 
     bucket: bool = False  # its reset grew as it was drawn down: its capacity is real
     window: bool = False  # a draw saw its reset count down: for the engine's life
-    anchor: tuple[float, float] | None = None  # (remaining, reset) of an earlier answer
+    # (remaining, reset, when that reset falls: the answer's arrival + reset) of an earlier answer
+    anchor: tuple[float, float, float] | None = None
+    sighted: float | None = None  # when the reset of a first answer that read as a bucket falls
     reset_max: float = 0.0  # the longest reset seen: a window is at least that long
     capacity: bool = False  # a window whose x-ratelimit-limit is its quota: for the engine's life
 
-    def vote(self, remaining: float, reset_s: float, per_s: float, drawn: float) -> None:
+    def vote(
+        self,
+        remaining: float,
+        reset_s: float,
+        per_s: float,
+        drawn: float,
+        *,
+        sent: float,
+        now: float,
+    ) -> None:
         """A bucket's reset is when it is full again: drawn down by X, it grows by the time the
         rate takes to refill X. A fixed window's counts down to its end, as fast as time, and
         paced sends draw it about as fast. A sliding window's (its length after the last send)
         does neither: it is paced as a bucket, with no burst learned. Read from the provider's
-        own numbers, over a draw of at least WINDOW_EVIDENCE_S of the rate: no timing of ours,
-        so a busy host cannot fake either. `drawn`: what this engine had sent by the answered
-        request (all that was drawn, if it is alone on the key)."""
+        own numbers, over a draw of at least WINDOW_EVIDENCE_S of the rate within one period:
+        no timing of ours, so a busy host cannot fake either. `drawn`: what this engine had sent
+        by the answered request (all that was drawn, if it is alone on the key); `sent`, `now`:
+        when it was sent and when its answer came (time.monotonic()). A request sent after an
+        earlier answer's reset fell was admitted in a later period than that answer."""
         a = self.anchor
-        sight = drawn / per_s + C.WINDOW_RESET_MARGIN_S
-        if a is None and reset_s <= min(remaining / per_s / 2, sight):
-            # Seen at once (the engine's first answer): a bucket that holds that much is full
-            # again that soon, and no later than it takes to refill what this engine drew. A
-            # fixed window's reset is its end however little was drawn (seen late in its
-            # period it too has much left and a short reset); a sliding window's, its length.
-            self.bucket = True
-        if a is None or remaining > a[0]:
-            self.anchor = (remaining, reset_s)
+        # A bucket that holds this much is full again this soon, no later than it takes to
+        # refill what this engine drew. So is a fixed window read late in its period (its reset
+        # is its end, however little was drawn): seen on the first answer, it is a bucket only
+        # if the first answer sent after that reset reads so too (a window's next period starts
+        # its reset over). A sliding window's reset is its length.
+        seen = reset_s <= min(remaining / per_s / 2, drawn / per_s + C.WINDOW_RESET_MARGIN_S)
+        if self.sighted is not None and sent >= self.sighted:
+            self.bucket = self.bucket or seen
+            self.sighted = None
+        elif a is None and seen:
+            self.sighted = now + reset_s
+        if a is None or remaining > a[0] or sent >= a[2]:
+            # Compared with a reading of an earlier period, a window's next one whose reset
+            # starts over reads as a bucket's reset growing.
+            self.anchor = (remaining, reset_s, now + reset_s)
             return
         drawn_s = (a[0] - remaining) / per_s
         if drawn_s < C.WINDOW_EVIDENCE_S:
@@ -65,7 +84,7 @@ class _Dim:
             self.bucket = True
         elif a[1] - reset_s >= drawn_s / 2:
             self.window = True
-        self.anchor = (remaining, reset_s)
+        self.anchor = (remaining, reset_s, now + reset_s)
 
 
 class Controller:
@@ -122,6 +141,7 @@ class Controller:
         out: dict[str, float] = {}
         caps: list[float] = []
         unknown = False  # a dimension that reports but is not known a bucket: no wider burst
+        now = time.monotonic()
         lim = self.limiter
         dims = (
             ("r", lim.rpm, lim.settings.rpm, limits.remaining_requests, limits.reset_requests_s),
@@ -135,7 +155,8 @@ class Controller:
                 # At the configured rate: the believed one may have been lowered by a header
                 # that states a window's quota, and at half its rate a 30 s window of 300
                 # requests, seen at its start, reads as a bucket at sight.
-                d.vote(remaining, reset_s, (configured or rate) / 60, self._drawn(mark, i))
+                per_s = (configured or rate) / 60
+                d.vote(remaining, reset_s, per_s, self._drawn(mark, i), sent=mark[0], now=now)
                 d.reset_max = max(d.reset_max, reset_s)
             # What went after this request is not in its remaining yet.
             out[f"rem_{name}"] = remaining - self._since(mark, i)
