@@ -91,8 +91,11 @@ def test_a_windows_next_period_is_not_compared_with_its_last():
     # with the first, the fourth of them (6 left, 0.66 s) is a bucket's reset grown by 0.45 s
     # over a draw of 3; it is the window's own countdown from 0.99 s.
     ctl = _controller(rpm=540)
+    ctl.observe(ProviderLimits(remaining_requests=9, reset_requests_s=0.209), ctl.on_send(0, 0))
+    # The later sends are placed after the first answer came, however slow the host: the
+    # third is sent after its reset fell, as it was in the trace.
     base = time.monotonic()
-    readings = [(0.0, 9, 0.209), (0.111, 8, 0.103)]
+    readings = [(0.111, 8, 0.103)]
     readings += [(0.222 + 0.111 * k, 9 - k, 0.993 - 0.111 * k) for k in range(4)]
     for sent, remaining, reset_s in readings:
         mark = (base + sent, *ctl.on_send(0, 0)[1:])

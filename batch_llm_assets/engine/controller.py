@@ -61,6 +61,7 @@ class _Dim:
         when it was sent and when its answer came (time.monotonic()). A request sent after an
         earlier answer's reset fell was admitted in a later period than that answer."""
         a = self.anchor
+        ends = now + reset_s  # the latest this answer's period ends
         # A bucket that holds this much is full again this soon, no later than it takes to
         # refill what this engine drew. So is a fixed window read late in its period (its reset
         # is its end, however little was drawn): seen on the first answer, it is a bucket only
@@ -71,11 +72,11 @@ class _Dim:
             self.bucket = self.bucket or seen
             self.sighted = None
         elif a is None and seen:
-            self.sighted = now + reset_s
+            self.sighted = ends
         if a is None or remaining > a[0] or sent >= a[2]:
             # Compared with a reading of an earlier period, a window's next one whose reset
             # starts over reads as a bucket's reset growing.
-            self.anchor = (remaining, reset_s, now + reset_s)
+            self.anchor = (remaining, reset_s, ends)
             return
         drawn_s = (a[0] - remaining) / per_s
         if drawn_s < C.WINDOW_EVIDENCE_S:
@@ -84,7 +85,7 @@ class _Dim:
             self.bucket = True
         elif a[1] - reset_s >= drawn_s / 2:
             self.window = True
-        self.anchor = (remaining, reset_s, now + reset_s)
+        self.anchor = (remaining, reset_s, ends)
 
 
 class Controller:
