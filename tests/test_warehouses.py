@@ -4,6 +4,8 @@ test_duckdb_time_slices.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -263,3 +265,14 @@ def test_nan_and_infinite_ids_are_refused_before_anything_is_sent(tmp_path, fres
     message = result.get_step_failure_events()[0].step_failure_data.error.message
     assert "4 row(s)" in message and "NULL 'id' (or a NaN or infinite one)" in message
     assert fresh_sim.stats().get("received", 0) == 0
+
+
+def test_defining_assets_does_not_import_google_cloud_bigquery():
+    """Every Dagster process (the run, each step, `dg`) loads the definitions: the BigQuery
+    client is imported only by a run that writes to BigQuery."""
+    code = (
+        "import sys, batch_llm_assets.definitions, batch_llm_assets.embeddings\n"
+        "print(sorted(m for m in sys.modules if m.startswith('google.cloud.bigquery')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ import dagster as dg
 from ..assets.batch_mode import BatchSettings
 from ..assets.factory import SourceTable, Task, build_asset_from_spec, run_spec_for
 from ..assets.lineage import definition_metadata
-from ..warehouses import bigquery_dml, duckdb_types
+from ..warehouses import bigquery_types, duckdb_types
 from . import _constants as C
 from .batch import EmbeddingBatchRun
 from .run import (
@@ -30,7 +30,7 @@ from .spec import LlmEmbeddingSpec
 
 __all__ = ["build_embedding_asset_from_spec", "build_llm_embedding_asset"]
 
-_TYPES = {"duckdb": duckdb_types.TYPES, "bigquery": bigquery_dml.TYPES}
+_TYPES = {"duckdb": duckdb_types.TYPES, "bigquery": bigquery_types.TYPES}
 
 
 def build_llm_embedding_asset(
