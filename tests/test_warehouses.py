@@ -267,12 +267,12 @@ def test_nan_and_infinite_ids_are_refused_before_anything_is_sent(tmp_path, fres
     assert fresh_sim.stats().get("received", 0) == 0
 
 
-def test_defining_assets_does_not_import_google_cloud_bigquery():
+def test_defining_assets_imports_neither_the_bigquery_client_nor_pandas():
     """Every Dagster process (the run, each step, `dg`) loads the definitions: the BigQuery
-    client is imported only by a run that writes to BigQuery."""
+    client is imported only by a run that writes to BigQuery, pandas by a step that writes."""
     code = (
         "import sys, batch_llm_assets.definitions, batch_llm_assets.embeddings\n"
-        "print(sorted(m for m in sys.modules if m.startswith('google.cloud.bigquery')))"
+        "print(sorted(m for m in sys.modules if m.startswith(('google.cloud.bigquery', 'pandas'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import duckdb
-import pandas as pd
 
 from ..engine.errors import BatchLLMError
 from .base import (
@@ -254,6 +253,8 @@ class DuckDBSession(WarehouseSession):
         if not ids:
             return {}
         with self._lock:
+            import pandas as pd  # here, not at import: see duckdb_types.frame
+
             self.conn.register("_bla_wanted", pd.DataFrame({"id": list(ids)}))
             try:
                 rows = self.conn.execute(

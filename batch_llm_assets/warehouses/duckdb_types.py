@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import pyarrow as pa
 
 from .base import OutputTable
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _NULLABLE = {"int": "Int64", "float": "Float64", "float32": "Float32", "bool": "boolean"}
 _ARROW = {
@@ -60,6 +62,10 @@ def _arrow_type(kind: str) -> pa.DataType:
 
 
 def frame(output: OutputTable, rows: list[dict[str, Any]]) -> pd.DataFrame:
+    # Imported here: every Dagster process loads the definitions, and only a step that
+    # writes needs pandas (about a third of the definitions' import time).
+    import pandas as pd
+
     frame = pd.DataFrame(rows, columns=output.names)
     for col, kind in output.columns:  # nullable dtypes: a missing number is NULL, not NaN
         if kind in _NULLABLE:
