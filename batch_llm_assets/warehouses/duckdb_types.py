@@ -62,8 +62,8 @@ def _arrow_type(kind: str) -> pa.DataType:
 
 
 def frame(output: OutputTable, rows: list[dict[str, Any]]) -> pd.DataFrame:
-    # Imported here: every Dagster process loads the definitions, and only a step that
-    # writes needs pandas (about a third of the definitions' import time).
+    # Imported here: every Dagster process loads the definitions, and only this fallback and a
+    # rerun's lookup of done rows need pandas (about a third of the definitions' import time).
     import pandas as pd
 
     frame = pd.DataFrame(rows, columns=output.names)
