@@ -269,7 +269,8 @@ def test_nan_and_infinite_ids_are_refused_before_anything_is_sent(tmp_path, fres
 
 def test_defining_assets_imports_neither_the_bigquery_client_nor_pandas():
     """Every Dagster process (the run, each step, `dg`) loads the definitions: the BigQuery
-    client is imported only by a run that writes to BigQuery, pandas by a step that writes."""
+    client is imported only by a run that writes to BigQuery, pandas only where a data frame is
+    built."""
     code = (
         "import sys, batch_llm_assets.definitions, batch_llm_assets.embeddings\n"
         "print(sorted(m for m in sys.modules if m.startswith(('google.cloud.bigquery', 'pandas'))))"

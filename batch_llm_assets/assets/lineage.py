@@ -11,15 +11,13 @@ from typing import Any
 
 import dagster as dg
 
+from ..warehouses import bigquery_types, duckdb_types
 from .schema import OUTPUT_COLUMNS, output_schema
 from .spec import TABLE_PER_PARTITION, LlmBatchSpec
 from .structured import column_schema as typed_column_schema
 
-# Logical output types as each warehouse names them (see warehouses/*_session.py).
-WAREHOUSE_TYPES = {
-    "duckdb": {"string": "VARCHAR", "int": "BIGINT", "float": "DOUBLE", "timestamp": "TIMESTAMPTZ"},
-    "bigquery": {"string": "STRING", "int": "INT64", "float": "FLOAT64", "timestamp": "TIMESTAMP"},
-}
+# Logical output types as each warehouse names them: the tables' own types.
+WAREHOUSE_TYPES = {"duckdb": duckdb_types.TYPES, "bigquery": bigquery_types.TYPES}
 SOURCE_TABLE_KEY = "batch_llm/source_table"
 SOURCE_TYPES_KEY = "batch_llm/source_column_types"
 

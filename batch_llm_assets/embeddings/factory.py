@@ -15,8 +15,7 @@ import dagster as dg
 
 from ..assets.batch_mode import BatchSettings
 from ..assets.factory import SourceTable, Task, build_asset_from_spec, run_spec_for
-from ..assets.lineage import definition_metadata
-from ..warehouses import bigquery_types, duckdb_types
+from ..assets.lineage import WAREHOUSE_TYPES, definition_metadata
 from . import _constants as C
 from .batch import EmbeddingBatchRun
 from .run import (
@@ -29,8 +28,6 @@ from .run import (
 from .spec import LlmEmbeddingSpec
 
 __all__ = ["build_embedding_asset_from_spec", "build_llm_embedding_asset"]
-
-_TYPES = {"duckdb": duckdb_types.TYPES, "bigquery": bigquery_types.TYPES}
 
 
 def build_llm_embedding_asset(
@@ -124,7 +121,7 @@ def embedding_metadata(spec: LlmEmbeddingSpec) -> dict[str, Any]:
     md["batch_llm/task"] = "embed"
     if spec.dimensions is not None:
         md["batch_llm/dimensions"] = spec.dimensions
-    types = _TYPES[spec.warehouse_kind]
+    types = WAREHOUSE_TYPES[spec.warehouse_kind]
     src = spec.source
     declared = {k.lower(): v for k, v in src.column_types.items()}
     id_type = declared.get(src.id_column.lower(), f"type of {src.table}.{src.id_column}")
